@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session_address: str
+    buffer_address: int
+    capacity_bytes: int
+    layout_fingerprint: str
+    lease_id: int
+    lease_ttl_s: int
+    draining: bool
+    num_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class BlockRecord(_message.Message):
+    __slots__ = ("block_hash", "offset", "size_bytes", "generation")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    offset: int
+    size_bytes: int
+    generation: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("block_hash", "node_id", "offset", "size_bytes", "generation")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    node_id: str
+    offset: int
+    size_bytes: int
+    generation: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session_address: str
+    buffer_address: int
+    capacity_bytes: int
+    layout_fingerprint: str
+    lease_ttl_s: int
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("lease_id", "lease_ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    lease_ttl_s: int
+    def __init__(self, lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_s",)
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: int
+    def __init__(self, lease_ttl_s: _Optional[int] = ...) -> None: ...
+
+class UnregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "lease_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    lease_id: int
+    def __init__(self, node_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterNodeResponse(_message.Message):
+    __slots__ = ("num_blocks_removed",)
+    NUM_BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_removed: int
+    def __init__(self, num_blocks_removed: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("node_id", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRecord]
+    def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockRecord, _Mapping]]] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("num_published",)
+    NUM_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    num_published: int
+    def __init__(self, num_published: _Optional[int] = ...) -> None: ...
+
+class UnpublishRequest(_message.Message):
+    __slots__ = ("node_id", "block_hashes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, node_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnpublishResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
+
+class QueryPrefixRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "requester_node_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    requester_node_id: str
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., requester_node_id: _Optional[str] = ...) -> None: ...
+
+class QueryPrefixResponse(_message.Message):
+    __slots__ = ("num_matched", "locations", "nodes")
+    NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    num_matched: int
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, num_matched: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class HashList(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class InvalidateRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "node_id", "by_namespace", "all")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BY_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: HashList
+    node_id: str
+    by_namespace: bool
+    all: bool
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Union[HashList, _Mapping]] = ..., node_id: _Optional[str] = ..., by_namespace: _Optional[bool] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class InvalidateResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "num_blocks", "num_copies")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    num_blocks: int
+    num_copies: int
+    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("num_nodes", "num_blocks", "num_copies", "namespaces", "queries", "query_blocks", "query_hit_blocks", "published_blocks", "etcd_healthy", "pending_writes", "replica_id")
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    num_nodes: int
+    num_blocks: int
+    num_copies: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    queries: int
+    query_blocks: int
+    query_hit_blocks: int
+    published_blocks: int
+    etcd_healthy: bool
+    pending_writes: int
+    replica_id: str
+    def __init__(self, num_nodes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., queries: _Optional[int] = ..., query_blocks: _Optional[int] = ..., query_hit_blocks: _Optional[int] = ..., published_blocks: _Optional[int] = ..., etcd_healthy: _Optional[bool] = ..., pending_writes: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class StoredBlock(_message.Message):
+    __slots__ = ("namespace", "offset", "size_bytes", "generation")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    offset: int
+    size_bytes: int
+    generation: int
+    def __init__(self, namespace: _Optional[str] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Idempotent setup for a fresh machine of this kind: Debian packages, a virtualenv with the
+# project installed under constraints.txt, and protobuf code generation. Fast when done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+need_apt=()
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
+dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
+if ((${#need_apt[@]})); then
+    echo "bootstrap: apt-get install ${need_apt[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.kvpool-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    echo "bootstrap: pip install -e .[cpu,dev] (constraints.txt)"
+    # /opt/wheels holds the CPU torch wheel on machines of this kind.
+    "$VENV/bin/pip" install -q --disable-pip-version-check --find-links /opt/wheels \
+        -c constraints.txt -e ".[cpu,dev]"
+    touch "$stamp"
+fi
+"$VENV/bin/python" scripts/gen_proto.py
