@@ -1,0 +1,5 @@
+import sys
+
+from kvpool.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""`kvpool`: the one command-line entry point, with vllm-style subcommands.
+
+Each subcommand's module is imported only when it runs, so `kvpool admin` does not load
+the engine. Only this layer reads the environment and configures logging.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+
+def _add_metaserver(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("metaserver", help="run a metadata server replica (gRPC, etcd-backed)")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve gRPC on")
+    p.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoints HOST:PORT[,HOST:PORT]")
+    p.add_argument("--key-prefix", default="/kvpool/", help="etcd key prefix of this pool")
+    p.add_argument("--replica-id", default="", help="name in logs and Stats (default: the listen address)")
+    p.add_argument("--lease-ttl", type=int, default=10, help="default node lease TTL in seconds")
+    p.add_argument("--max-txn-ops", type=int, default=128, help="operations per etcd transaction (etcd's --max-txn-ops)")
+    p.add_argument("--hash-bytes", type=int, default=32, help="length of block hashes")
+
+
+def _run_metaserver(args: argparse.Namespace) -> int:
+    from metaserver.config import MetaServerConfig
+    from metaserver.server import serve
+
+    try:
+        config = MetaServerConfig(listen=args.listen, etcd_endpoints=tuple(args.etcd.split(",")),
+                                  key_prefix=args.key_prefix, replica_id=args.replica_id,
+                                  default_lease_ttl_s=args.lease_ttl, max_txn_ops=args.max_txn_ops,
+                                  hash_bytes=args.hash_bytes)
+    except ValueError as err:
+        print(f"kvpool metaserver: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as err:
+        print(f"kvpool metaserver: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvpool_bench import metaserver_bench
+
+    p = sub.add_parser("bench", help="benchmarks")
+    benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
+    metaserver_bench.add_parser(benches)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="the main job: a local pool on loopback, exercised end to end")
+    p.add_argument("--run-dir", default="runs/demo", help="folder for logs and reports")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from metaserver import admin
+
+    parser = argparse.ArgumentParser(prog="kvpool", description="Mooncake-style global KV-cache pool")
+    parser.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _add_metaserver(sub)
+    admin.add_parser(sub)
+    _add_bench(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "metaserver":
+        return _run_metaserver(args)
+    if args.cmd == "admin":
+        from metaserver import admin
+
+        return admin.main(args)
+    if args.cmd == "bench":
+        from kvpool_bench import metaserver_bench
+
+        return metaserver_bench.main(args)
+    if args.cmd == "demo":
+        from kvpool_bench import demo
+
+        return demo.main(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

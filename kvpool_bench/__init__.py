@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvpool bench` and the `kvpool demo` main job."""

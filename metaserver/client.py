@@ -1,0 +1,224 @@
+"""Blocking client of the metadata service, and a node's registration session.
+
+Where it sits: used by `kvpool` (node lifecycle, publish), by the connector (QueryPrefix)
+and by `kvpool admin`. Every call has a deadline; a failed call raises the typed
+`metaserver.errors` exception for its status. With several endpoints, a call that finds
+its replica unreachable moves on to the next one.
+
+Thread safety: MetaClient may be shared by threads (gRPC channels are thread-safe).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from kvpool_proto.kvpool.v1 import meta_pb2 as pb
+from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
+from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
+from metaserver.store import node_from_pb
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
+                              NodeId, NodeRecord, QueryResult)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    index: IndexStats
+    queries: int
+    query_blocks: int
+    query_hit_blocks: int
+    published_blocks: int
+    etcd_healthy: bool
+    pending_writes: int
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    lease_id: int
+    lease_ttl_s: int
+
+
+class MetaClient:
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0) -> None:
+        eps = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+        self.endpoints = [e.strip() for e in eps if e.strip()]
+        if not self.endpoints:
+            raise ValueError("no metaserver endpoint given (HOST:PORT[,HOST:PORT])")
+        self.timeout_s = timeout_s
+        self._channels = [grpc.insecure_channel(ep, options=[("grpc.max_reconnect_backoff_ms", 1000)])
+                          for ep in self.endpoints]
+        self._stubs = [pb_grpc.MetaServiceStub(ch) for ch in self._channels]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> MetaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _rpc(self, method: str, request: object, timeout_s: float | None = None) -> T:  # type: ignore[type-var]
+        """Call `method`, failing over across endpoints on UNAVAILABLE / DEADLINE_EXCEEDED."""
+        with self._lock:
+            start = self._current
+        last: grpc.RpcError | None = None
+        for i in range(len(self._stubs)):
+            idx = (start + i) % len(self._stubs)
+            try:
+                resp = getattr(self._stubs[idx], method)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as err:
+                if err.code() not in _FAILOVER_CODES:
+                    raise from_rpc_error(err) from None
+                last = err
+                continue
+            if idx != start:
+                with self._lock:
+                    self._current = idx
+                log.info("metaserver client: failed over to %s", self.endpoints[idx])
+            return resp
+        assert last is not None
+        raise Unavailable(f"no metaserver reachable at {','.join(self.endpoints)}: {last.details()}")
+
+    # ---- node lifecycle -------------------------------------------------------------
+
+    def register_node(self, node_id: str, session_address: str, buffer_address: int, capacity_bytes: int,
+                      layout_fingerprint: str, lease_ttl_s: int = 0) -> Registration:
+        resp = self._rpc("RegisterNode", pb.RegisterNodeRequest(
+            node_id=node_id, session_address=session_address, buffer_address=buffer_address,
+            capacity_bytes=capacity_bytes, layout_fingerprint=layout_fingerprint, lease_ttl_s=lease_ttl_s))
+        return Registration(resp.lease_id, resp.lease_ttl_s)
+
+    def keepalive(self, node_id: str, lease_id: int) -> int:
+        return self._rpc("KeepAlive", pb.KeepAliveRequest(node_id=node_id, lease_id=lease_id)).lease_ttl_s
+
+    def unregister_node(self, node_id: str, lease_id: int) -> int:
+        return self._rpc("UnregisterNode", pb.UnregisterNodeRequest(node_id=node_id, lease_id=lease_id)).num_blocks_removed
+
+    # ---- blocks ---------------------------------------------------------------------
+
+    def publish(self, node_id: str, records: Sequence[BlockRecord]) -> int:
+        msg = pb.PublishRequest(node_id=node_id, blocks=[
+            pb.BlockRecord(block_hash=r.block_hash, offset=r.offset, size_bytes=r.size_bytes, generation=r.generation)
+            for r in records])
+        return self._rpc("Publish", msg).num_published
+
+    def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        return self._rpc("Unpublish", pb.UnpublishRequest(node_id=node_id, block_hashes=list(hashes))).num_removed
+
+    def query_prefix(self, namespace: str, hashes: Sequence[bytes], requester_node_id: str = "",
+                     timeout_s: float | None = None) -> QueryResult:
+        resp = self._rpc("QueryPrefix", pb.QueryPrefixRequest(
+            namespace=namespace, block_hashes=list(hashes), requester_node_id=requester_node_id), timeout_s)
+        return QueryResult(
+            tuple(BlockLocation(BlockHash(loc.block_hash), NodeId(loc.node_id), loc.offset, loc.size_bytes,
+                                loc.generation) for loc in resp.locations),
+            {NodeId(n.node_id): node_from_pb(n) for n in resp.nodes},
+        )
+
+    def invalidate(self, *, namespace: str = "", hashes: Sequence[bytes] | None = None, node_id: str = "",
+                   by_namespace: bool = False, all: bool = False) -> int:  # noqa: A002 - mirrors the proto
+        req = pb.InvalidateRequest(namespace=namespace)
+        if hashes is not None:
+            req.hashes.block_hashes.extend(hashes)
+        elif node_id:
+            req.node_id = node_id
+        elif by_namespace:
+            req.by_namespace = True
+        elif all:
+            req.all = True
+        return self._rpc("Invalidate", req).num_removed
+
+    def drain(self, node_id: str) -> int:
+        return self._rpc("Drain", pb.DrainRequest(node_id=node_id)).num_removed
+
+    # ---- introspection --------------------------------------------------------------
+
+    def stats(self) -> ServerStats:
+        r = self._rpc("Stats", pb.StatsRequest())
+        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies) for n in r.namespaces)
+        return ServerStats(IndexStats(r.num_nodes, r.num_blocks, r.num_copies, ns), r.queries, r.query_blocks,
+                           r.query_hit_blocks, r.published_blocks, r.etcd_healthy, r.pending_writes, r.replica_id)
+
+    def list_nodes(self) -> list[tuple[NodeRecord, int]]:
+        return [(node_from_pb(n), n.num_blocks) for n in self._rpc("ListNodes", pb.ListNodesRequest()).nodes]
+
+
+class NodeSession:
+    """Keeps one node registered: register, keep the lease alive, and after the lease was
+    lost (metaserver restart, partition, etcd outage) register again and re-publish.
+
+    `holdings()` must return every block the node holds right now; it is called from the
+    keepalive thread after each re-registration. Nodes are the source of truth for what
+    they hold, so this is what makes the index converge after a crash.
+    """
+
+    def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
+                 capacity_bytes: int, layout_fingerprint: str, holdings: Callable[[], Sequence[BlockRecord]],
+                 lease_ttl_s: int = 10, publish_batch: int = 4096) -> None:
+        self.client = client
+        self.node_id = node_id
+        self._args = (node_id, session_address, buffer_address, capacity_bytes, layout_fingerprint, lease_ttl_s)
+        self._holdings = holdings
+        self._publish_batch = publish_batch
+        self.registration: Registration | None = None
+        self.registrations = 0  # how many times this session (re-)registered
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Register now (raises on failure), then keep alive from a daemon thread."""
+        self._register()
+        self._thread = threading.Thread(target=self._run, name=f"keepalive-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def _register(self) -> None:
+        self.registration = self.client.register_node(*self._args)
+        self.registrations += 1
+        records = list(self._holdings())
+        for i in range(0, len(records), self._publish_batch):
+            self.client.publish(self.node_id, records[i:i + self._publish_batch])
+        log.info("node %s registered (lease %x), re-published %d blocks", self.node_id,
+                 self.registration.lease_id, len(records))
+
+    def _run(self) -> None:
+        assert self.registration is not None
+        interval = max(self.registration.lease_ttl_s / 3, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                assert self.registration is not None
+                self.client.keepalive(self.node_id, self.registration.lease_id)
+            except NotFound:
+                log.warning("node %s: lease lost; registering again", self.node_id)
+                self._try_register()
+            except MetaError as err:
+                log.warning("node %s: keepalive failed: %s", self.node_id, err)
+
+    def _try_register(self) -> None:
+        try:
+            self._register()
+        except MetaError as err:
+            log.warning("node %s: re-registration failed (%s); will retry", self.node_id, err)
+
+    def stop(self, unregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if unregister and self.registration is not None:
+            try:
+                self.client.unregister_node(self.node_id, self.registration.lease_id)
+            except MetaError as err:
+                log.warning("node %s: unregister failed: %s", self.node_id, err)

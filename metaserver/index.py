@@ -1,0 +1,154 @@
+"""The in-memory block index: namespace -> block hash -> the nodes holding it.
+
+Where it sits: every QueryPrefix is answered from here and never waits for etcd. Changes
+arrive from this replica's RPCs and from the etcd watch (other replicas, lease expiry);
+every method is idempotent so that a change seen twice is harmless.
+
+Not thread-safe: the metaserver uses it from one asyncio event loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace,
+                              NamespaceStats, NodeId, NodeRecord, QueryResult)
+
+
+class BlockIndex:
+    def __init__(self) -> None:
+        self.nodes: dict[NodeId, NodeRecord] = {}
+        # namespace -> hash -> node -> location
+        self._blocks: dict[Namespace, dict[BlockHash, dict[NodeId, BlockLocation]]] = {}
+        self._node_hashes: dict[NodeId, set[BlockHash]] = {}
+        # Blocks handed out as a read source since start: spreads reads across holders.
+        self._source_load: dict[NodeId, int] = {}
+
+    # ---- nodes ----------------------------------------------------------------------
+
+    def upsert_node(self, node: NodeRecord) -> list[BlockHash]:
+        """Add or replace a node record; returns blocks dropped because the node's
+        namespace or buffer changed or it started draining (its old slots are meaningless)."""
+        old = self.nodes.get(node.node_id)
+        dropped: list[BlockHash] = []
+        if old is not None and (old.namespace != node.namespace or old.buffer_address != node.buffer_address
+                                or old.session_address != node.session_address
+                                or (node.draining and not old.draining)):
+            dropped = self.remove_node_blocks(node.node_id)
+        self.nodes[node.node_id] = node
+        self._node_hashes.setdefault(node.node_id, set())
+        self._source_load.setdefault(node.node_id, 0)
+        return dropped
+
+    def remove_node(self, node_id: NodeId) -> list[BlockHash]:
+        """Forget a node and every block it held; returns those blocks."""
+        dropped = self.remove_node_blocks(node_id)
+        self.nodes.pop(node_id, None)
+        self._node_hashes.pop(node_id, None)
+        self._source_load.pop(node_id, None)
+        return dropped
+
+    # ---- blocks ---------------------------------------------------------------------
+
+    def add_block(self, node_id: NodeId, rec: BlockRecord) -> bool:
+        """Record that `node_id` holds `rec`; False (and no change) if the node is unknown."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        loc = BlockLocation(rec.block_hash, node_id, rec.offset, rec.size_bytes, rec.generation)
+        self._blocks.setdefault(node.namespace, {}).setdefault(rec.block_hash, {})[node_id] = loc
+        self._node_hashes[node_id].add(rec.block_hash)
+        return True
+
+    def remove_block(self, node_id: NodeId, block_hash: BlockHash) -> bool:
+        """Drop one copy; True if it was present."""
+        node = self.nodes.get(node_id)
+        hashes = self._node_hashes.get(node_id)
+        if node is None or hashes is None or block_hash not in hashes:
+            return False
+        hashes.discard(block_hash)
+        ns_map = self._blocks.get(node.namespace, {})
+        holders = ns_map.get(block_hash)
+        if holders is not None:
+            holders.pop(node_id, None)
+            if not holders:
+                del ns_map[block_hash]
+                if not ns_map:
+                    self._blocks.pop(node.namespace, None)
+        return True
+
+    def remove_node_blocks(self, node_id: NodeId) -> list[BlockHash]:
+        hashes = list(self._node_hashes.get(node_id, ()))
+        for h in hashes:
+            self.remove_block(node_id, h)
+        return hashes
+
+    def holders(self, namespace: Namespace, block_hash: BlockHash) -> list[NodeId]:
+        return list(self._blocks.get(namespace, {}).get(block_hash, {}))
+
+    def remove_hashes(self, namespace: Namespace, hashes: Iterable[BlockHash]) -> list[tuple[NodeId, BlockHash]]:
+        """Drop every copy of `hashes` in `namespace`; returns the (node, hash) pairs dropped."""
+        ns_map = self._blocks.get(namespace, {})
+        dropped = [(node_id, h) for h in hashes for node_id in list(ns_map.get(h, ()))]
+        for node_id, h in dropped:
+            self.remove_block(node_id, h)
+        return dropped
+
+    def remove_namespace(self, namespace: Namespace) -> list[tuple[NodeId, BlockHash]]:
+        return self.remove_hashes(namespace, list(self._blocks.get(namespace, {})))
+
+    def remove_all(self) -> list[tuple[NodeId, BlockHash]]:
+        dropped = [(node_id, h) for node_id, hashes in self._node_hashes.items() for h in hashes]
+        for node_id in list(self._node_hashes):
+            self.remove_node_blocks(node_id)
+        return dropped
+
+    # ---- lookups --------------------------------------------------------------------
+
+    def knows_namespace(self, namespace: Namespace) -> bool:
+        return namespace in self._blocks or any(n.namespace == namespace for n in self.nodes.values())
+
+    def query(self, namespace: Namespace, chain: Sequence[BlockHash], requester: NodeId | None = None) -> QueryResult:
+        """The longest prefix of `chain` present in `namespace`, one location per block.
+
+        A block is served from the requester's own copy when it has one; otherwise from the
+        holder that has been handed out least so far (ties: the previous block's source, so
+        chains stay on one node and batch well). A missing block ends the match. Side
+        effect: the chosen sources' load counters grow.
+        """
+        ns_map = self._blocks.get(namespace)
+        locations: list[BlockLocation] = []
+        nodes: dict[NodeId, NodeRecord] = {}
+        if ns_map is None:
+            return QueryResult((), nodes)
+        prev: NodeId | None = None
+        for h in chain:
+            holders = ns_map.get(h)
+            if not holders:
+                break
+            if requester is not None and requester in holders:
+                chosen = requester
+            else:
+                chosen = min(holders, key=lambda n: (self._source_load[n], n != prev, n))
+                self._source_load[chosen] += 1
+            locations.append(holders[chosen])
+            nodes[chosen] = self.nodes[chosen]
+            prev = chosen
+        return QueryResult(tuple(locations), nodes)
+
+    def num_blocks_of(self, node_id: NodeId) -> int:
+        return len(self._node_hashes.get(node_id, ()))
+
+    def node_hashes(self, node_id: NodeId) -> set[BlockHash]:
+        """A copy of the hashes indexed for `node_id`."""
+        return set(self._node_hashes.get(node_id, ()))
+
+    def stats(self) -> IndexStats:
+        per_ns = tuple(
+            NamespaceStats(ns, len(m), sum(len(h) for h in m.values())) for ns, m in sorted(self._blocks.items())
+        )
+        return IndexStats(
+            num_nodes=len(self.nodes),
+            num_blocks=sum(s.num_blocks for s in per_ns),
+            num_copies=sum(s.num_copies for s in per_ns),
+            namespaces=per_ns,
+        )

@@ -1,0 +1,178 @@
+"""Start and stop real etcd and metaserver processes on loopback (tests, benchmarks, demo).
+
+Each process binds 127.0.0.1 only, logs to a file the caller owns, and is ended by PID.
+`EtcdProcess.restart()` keeps the data folder, so leases and keys survive as in production.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdProcess:
+    """One etcd member on 127.0.0.1; use as a context manager or call start()/stop()."""
+
+    def __init__(self, data_dir: Path, client_port: int | None = None, peer_port: int | None = None,
+                 fast: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self.fast = fast  # short heartbeat/election: healthy in ~0.1 s (tests)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.data_dir.with_suffix(".log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout_s: float = 15.0) -> EtcdProcess:
+        exe = shutil.which("etcd")
+        if exe is None:
+            raise RuntimeError("etcd not found; run `make setup` (installs Debian etcd-server)")
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            exe, "--name", "kvpool-etcd", "--data-dir", str(self.data_dir), "--logger", "zap",
+            "--log-level", "warn", "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"kvpool-etcd={peer}",
+        ]
+        if self.fast:
+            args += ["--heartbeat-interval", "10", "--election-timeout", "100"]
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait_healthy(timeout_s)
+        log.info("etcd pid %d serving on %s", self.proc.pid, self.endpoint)
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.client_port}/health"
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(url, timeout=0.5) as resp:
+                    if b'"true"' in resp.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd not healthy within {timeout_s}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL (a crash); the data folder stays."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> EtcdProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+    """Poll grpc.health.v1 at `address` until `service` is SERVING; TimeoutError otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=0.5)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"{address} not SERVING within {timeout_s}s")
+
+
+class MetaserverProcess:
+    """One `kvpool metaserver` replica as a child process on 127.0.0.1."""
+
+    def __init__(self, etcd_endpoints: str, log_path: Path, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.etcd_endpoints = etcd_endpoints
+        self.port = port or free_port()
+        self.log_path = Path(log_path)
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
+        args = [sys.executable, "-m", "kvpool", "metaserver", "--listen", self.address,
+                "--etcd", self.etcd_endpoints, *self.extra_args]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_serving(self.address, timeout_s)
+        except TimeoutError:
+            self.kill()
+            raise RuntimeError(f"metaserver on {self.address} not ready; see {self.log_path}") from None
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: a crash (queued etcd writes are lost)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM (clean shutdown); returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> MetaserverProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

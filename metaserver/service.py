@@ -1,0 +1,294 @@
+"""The metadata service's domain logic: validate, change the index, queue the etcd change.
+
+Where it sits: called by the thin gRPC servicer (`metaserver.servicer`); owns the in-memory
+`BlockIndex` and the `DurableStore`, and applies the etcd watch so that replicas converge.
+Every method validates its whole input before changing anything, so a rejected request
+changes nothing. Errors are `metaserver.errors` types.
+
+Not thread-safe: every method runs on the server's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from metaserver.config import MetaServerConfig
+from metaserver.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from metaserver.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, WatchCompacted
+from metaserver.index import BlockIndex
+from metaserver.store import Change, DurableStore, Snapshot
+from metaserver.types import BlockHash, BlockRecord, IndexStats, Namespace, NodeId, NodeRecord, QueryResult
+
+log = logging.getLogger(__name__)
+
+_MAX_ID_LEN = 256
+
+
+@dataclass
+class Counters:
+    queries: int = 0
+    query_blocks: int = 0
+    query_hit_blocks: int = 0
+    published_blocks: int = 0
+
+
+class MetaService:
+    def __init__(self, config: MetaServerConfig, etcd: EtcdClient) -> None:
+        self.config = config
+        self.index = BlockIndex()
+        self.store = DurableStore(config, etcd, on_lease_lost=self._lease_lost)
+        self.counters = Counters()
+        self._watch_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Rebuild the index from etcd, then follow etcd's changes. Raises EtcdUnavailable."""
+        snap = await self.store.load()
+        self._rebuild(snap)
+        self.store.start()
+        self._watch_task = asyncio.create_task(self._follow(snap.revision + 1), name="etcd-watch")
+        log.info("index loaded from etcd at revision %d: %d nodes, %d block copies",
+                 snap.revision, len(snap.nodes), len(snap.blocks))
+
+    async def stop(self) -> None:
+        """Write the queue through (bounded by shutdown_flush_s), then stop background tasks."""
+        if not await self.store.flush(self.config.shutdown_flush_s):
+            log.warning("shutdown: %d changes not written to etcd", self.store.pending_writes)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+        await self.store.stop()
+
+    def _rebuild(self, snap: Snapshot) -> None:
+        self.index = BlockIndex()
+        for node in snap.nodes:
+            self.index.upsert_node(node)
+        for node_id, rec, lease in snap.blocks:
+            if self._current_lease(node_id, lease):
+                self.index.add_block(node_id, rec)
+
+    def _current_lease(self, node_id: NodeId, lease: int) -> bool:
+        """True if `lease` is the lease of the node's current registration. Watch events of
+        an older registration (revoked on re-register) arrive late and must not touch the new one."""
+        node = self.index.nodes.get(node_id)
+        return node is not None and node.lease_id == lease
+
+    async def _follow(self, revision: int) -> None:
+        while True:
+            try:
+                async for changes in self.store.watch(revision):
+                    for change, key in changes:
+                        if not self.store.has_pending(key):
+                            self._apply(change)
+                return
+            except WatchCompacted:
+                log.warning("etcd history compacted; reloading the index")
+            except EtcdError as err:
+                log.warning("etcd watch failed (%s); reloading the index", err)
+            while True:
+                try:
+                    snap = await self.store.load()
+                    break
+                except EtcdUnavailable:
+                    await asyncio.sleep(self.config.etcd_retry_s)
+            self._rebuild(snap)
+            revision = snap.revision + 1
+
+    def _apply(self, change: Change) -> None:
+        if change.block_hash is None:
+            if change.is_put:
+                assert change.node is not None
+                self.index.upsert_node(change.node)
+            elif self._current_lease(change.node_id, change.lease):
+                self.index.remove_node(change.node_id)
+        elif not self._current_lease(change.node_id, change.lease):
+            return
+        elif change.is_put:
+            assert change.block is not None
+            self.index.add_block(change.node_id, change.block)
+        else:
+            self.index.remove_block(change.node_id, change.block_hash)
+
+    def _lease_lost(self, lease_id: int) -> None:
+        for node in [n for n in self.index.nodes.values() if n.lease_id == lease_id]:
+            log.info("node %s: lease expired; dropping it and its blocks", node.node_id)
+            self.index.remove_node(node.node_id)
+
+    # ---- validation -----------------------------------------------------------------
+
+    def _check_id(self, what: str, value: str) -> None:
+        if not value:
+            raise InvalidArgument(f"{what} is required")
+        if len(value) > _MAX_ID_LEN or "/" in value or not value.isprintable():
+            raise InvalidArgument(f"{what} must be 1..{_MAX_ID_LEN} printable characters without '/'")
+
+    def _check_hashes(self, hashes: Sequence[bytes], limit: int, what: str) -> None:
+        if not hashes:
+            raise InvalidArgument(f"{what}: at least one block hash is required")
+        if len(hashes) > limit:
+            raise ResourceExhausted(f"{what}: {len(hashes)} hashes exceed the limit of {limit}")
+        n = self.config.hash_bytes
+        for i, h in enumerate(hashes):
+            if len(h) != n:
+                raise InvalidArgument(f"{what}: block hash #{i} is {len(h)} bytes, expected {n}")
+
+    def _node(self, node_id: str) -> NodeRecord:
+        self._check_id("node_id", node_id)
+        node = self.index.nodes.get(NodeId(node_id))
+        if node is None:
+            raise FailedPrecondition(f"node {node_id!r} is not registered (or its lease expired); register first")
+        return node
+
+    def _check_namespace(self, namespace: str) -> Namespace:
+        if not namespace:
+            raise InvalidArgument("namespace is required")
+        if not self.index.knows_namespace(Namespace(namespace)):
+            raise NotFound(f"namespace {namespace!r} is unknown: no node registered with it")
+        return Namespace(namespace)
+
+    # ---- node lifecycle -------------------------------------------------------------
+
+    async def register_node(self, node_id: str, session_address: str, buffer_address: int,
+                            capacity_bytes: int, namespace: str, lease_ttl_s: int) -> NodeRecord:
+        """(Re-)register a node under a new lease. A node already registered under this id
+        is replaced and its old blocks are dropped: a restarted node has new slots."""
+        self._check_id("node_id", node_id)
+        if not session_address or len(session_address) > _MAX_ID_LEN or ":" not in session_address:
+            raise InvalidArgument(f"session_address must be HOST:PORT, got {session_address!r}")
+        if not 0 < capacity_bytes <= self.config.max_capacity_bytes:
+            raise InvalidArgument(f"capacity_bytes must be in 1..{self.config.max_capacity_bytes}, got {capacity_bytes}")
+        if not namespace or len(namespace) > _MAX_ID_LEN:
+            raise InvalidArgument("layout_fingerprint is required (at most 256 characters)")
+        ttl = lease_ttl_s or self.config.default_lease_ttl_s
+        if not 1 <= ttl <= self.config.max_lease_ttl_s:
+            raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
+        old = self.index.nodes.get(NodeId(node_id))
+        try:
+            lease_id, granted = await self.store.etcd.lease_grant(ttl)
+            if old is not None:
+                await self.store.etcd.lease_revoke(old.lease_id)
+            node = NodeRecord(NodeId(node_id), session_address, buffer_address, capacity_bytes,
+                              Namespace(namespace), lease_id, granted)
+            await self.store.write_node(node)
+        except EtcdError as err:
+            raise Unavailable(f"cannot register node {node_id!r} while etcd is unavailable: {err}") from None
+        if old is not None:
+            self.store.drop_lease_ops(old.lease_id)
+            self.index.remove_node(old.node_id)
+        self.index.upsert_node(node)
+        log.info("node %s registered (lease %x, ttl %ds, %s, %d bytes)", node_id, lease_id, granted,
+                 session_address, capacity_bytes)
+        return node
+
+    async def keepalive(self, node_id: str, lease_id: int) -> int:
+        """Refresh the node's lease; NotFound means: register again and re-publish."""
+        self._check_id("node_id", node_id)
+        node = self.index.nodes.get(NodeId(node_id))
+        if node is None or node.lease_id != lease_id:
+            raise NotFound(f"node {node_id!r} has no lease {lease_id:x}; register again")
+        try:
+            return await self.store.etcd.lease_keepalive(lease_id)
+        except LeaseNotFound:
+            self._lease_lost(lease_id)
+            raise NotFound(f"lease of node {node_id!r} expired; register again") from None
+        except EtcdUnavailable:
+            # Degraded: etcd renews every lease to its full TTL when it comes back.
+            return node.lease_ttl_s
+
+    async def unregister_node(self, node_id: str, lease_id: int) -> int:
+        node = self._node(node_id)
+        if node.lease_id != lease_id:
+            raise FailedPrecondition(f"node {node_id!r} is registered under another lease")
+        try:
+            await self.store.etcd.lease_revoke(lease_id)
+        except EtcdUnavailable as err:
+            raise Unavailable(f"cannot unregister while etcd is unreachable: {err}") from None
+        self.store.drop_lease_ops(lease_id)
+        removed = self.index.remove_node(node.node_id)
+        log.info("node %s unregistered (%d blocks dropped)", node_id, len(removed))
+        return len(removed)
+
+    # ---- blocks ---------------------------------------------------------------------
+
+    def publish(self, node_id: str, records: Sequence[BlockRecord]) -> int:
+        node = self._node(node_id)
+        if node.draining:
+            raise FailedPrecondition(f"node {node_id!r} is draining; it cannot publish")
+        self._check_hashes([r.block_hash for r in records], self.config.max_publish_batch, "publish")
+        for i, r in enumerate(records):
+            if r.size_bytes <= 0 or r.offset < 0 or r.offset + r.size_bytes > node.capacity_bytes:
+                raise InvalidArgument(
+                    f"publish: block #{i} (offset {r.offset}, size {r.size_bytes}) is outside the node's "
+                    f"{node.capacity_bytes}-byte pool")
+        if not self.store.room_for(len(records)):
+            raise ResourceExhausted(f"{self.store.pending_writes} changes already queued for etcd; retry later")
+        for r in records:
+            self.index.add_block(node.node_id, r)
+            self.store.put_block(node, r)
+        self.counters.published_blocks += len(records)
+        return len(records)
+
+    def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        node = self._node(node_id)
+        self._check_hashes(hashes, self.config.max_publish_batch, "unpublish")
+        removed = 0
+        for h in hashes:
+            if self.index.remove_block(node.node_id, BlockHash(h)):
+                self.store.delete_block(node.node_id, h)
+                removed += 1
+        return removed
+
+    def query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
+        """Longest present prefix; never waits for etcd (see BlockIndex.query)."""
+        self._check_hashes(hashes, self.config.max_query_hashes, "query")
+        ns = self._check_namespace(namespace)
+        result = self.index.query(ns, [BlockHash(h) for h in hashes], NodeId(requester) if requester else None)
+        self.counters.queries += 1
+        self.counters.query_blocks += len(hashes)
+        self.counters.query_hit_blocks += result.num_matched
+        return result
+
+    def _delete_copies(self, dropped: Sequence[tuple[NodeId, BlockHash]]) -> int:
+        for node_id, h in dropped:
+            self.store.delete_block(node_id, h)
+        return len(dropped)
+
+    def invalidate_hashes(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        self._check_hashes(hashes, self.config.max_invalidate_hashes, "invalidate")
+        ns = self._check_namespace(namespace)
+        return self._delete_copies(self.index.remove_hashes(ns, [BlockHash(h) for h in hashes]))
+
+    def invalidate_node(self, node_id: str) -> int:
+        self._check_id("node_id", node_id)
+        if NodeId(node_id) not in self.index.nodes:
+            raise NotFound(f"node {node_id!r} is not registered")
+        return self._delete_copies([(NodeId(node_id), h) for h in self.index.remove_node_blocks(NodeId(node_id))])
+
+    def invalidate_namespace(self, namespace: str) -> int:
+        return self._delete_copies(self.index.remove_namespace(self._check_namespace(namespace)))
+
+    def invalidate_all(self) -> int:
+        return self._delete_copies(self.index.remove_all())
+
+    def drain(self, node_id: str) -> int:
+        """Stop using a node as a source and refuse its publishes (before it shuts down)."""
+        node = self._node(node_id)
+        hashes = self.index.remove_node_blocks(node.node_id)
+        drained = NodeRecord(node.node_id, node.session_address, node.buffer_address, node.capacity_bytes,
+                             node.namespace, node.lease_id, node.lease_ttl_s, draining=True)
+        self.index.upsert_node(drained)
+        self.store.put_node(drained)
+        log.info("node %s draining (%d blocks dropped)", node_id, len(hashes))
+        return self._delete_copies([(node.node_id, h) for h in hashes])
+
+    # ---- introspection --------------------------------------------------------------
+
+    def nodes(self) -> list[tuple[NodeRecord, int]]:
+        return [(n, self.index.num_blocks_of(n.node_id)) for n in sorted(self.index.nodes.values(),
+                                                                          key=lambda n: n.node_id)]
+
+    def index_stats(self) -> IndexStats:
+        return self.index.stats()

@@ -1,0 +1,285 @@
+"""Durability of the index in etcd: key layout, write-behind queue, load and watch.
+
+Where it sits: between `metaserver.service` (which changes the in-memory index first and
+then hands the matching etcd change here) and `metaserver.etcd`.
+
+Key layout under the configured prefix P:
+    P nodes/<node_id>              NodeInfo       under the node's lease
+    P blocks/<node_id>/<hash hex>  StoredBlock    under the node's lease
+Putting blocks under their node's lease makes etcd delete them when the node's lease
+expires; every replica sees the deletes through its watch.
+
+Writes are queued, coalesced per key (the last change to a key wins) and flushed in
+transactions of at most `max_txn_ops` operations, several in flight at once but never two
+for one key. While etcd is unreachable the queue is kept and retried with backoff, and
+`healthy` is False; nothing is lost unless this process dies, in which case the nodes
+re-publish what they hold when they re-register.
+
+Not thread-safe: use from the metaserver's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvpool_proto.kvpool.v1 import meta_pb2 as pb
+from metaserver.config import MetaServerConfig
+from metaserver.etcd import Delete, EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, Op, Put, WatchEvent
+from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything under the prefix at one revision."""
+
+    nodes: list[NodeRecord]
+    blocks: list[tuple[NodeId, BlockRecord, int]]  # (holder, block, lease)
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One decoded watch event. Exactly one of node / block_hash is set."""
+
+    is_put: bool
+    node_id: NodeId
+    lease: int                              # the key's lease (for deletes: before the delete)
+    node: NodeRecord | None = None          # node put
+    block_hash: BlockHash | None = None     # block put/delete
+    block: BlockRecord | None = None        # block put
+
+
+def node_to_pb(node: NodeRecord) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=node.node_id, session_address=node.session_address,
+                       buffer_address=node.buffer_address, capacity_bytes=node.capacity_bytes,
+                       layout_fingerprint=node.namespace, lease_id=node.lease_id,
+                       lease_ttl_s=node.lease_ttl_s, draining=node.draining)
+
+
+def node_from_pb(msg: pb.NodeInfo) -> NodeRecord:
+    return NodeRecord(NodeId(msg.node_id), msg.session_address, msg.buffer_address, msg.capacity_bytes,
+                      Namespace(msg.layout_fingerprint), msg.lease_id, msg.lease_ttl_s, msg.draining)
+
+
+class KeyCodec:
+    """etcd keys and values of nodes and blocks."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix.encode()
+        self.nodes = self.prefix + b"nodes/"
+        self.blocks = self.prefix + b"blocks/"
+
+    def node_key(self, node_id: str) -> bytes:
+        return self.nodes + node_id.encode()
+
+    def block_key(self, node_id: str, block_hash: bytes) -> bytes:
+        return b"%s%s/%s" % (self.blocks, node_id.encode(), block_hash.hex().encode())
+
+    @staticmethod
+    def block_value(namespace: str, rec: BlockRecord) -> bytes:
+        return pb.StoredBlock(namespace=namespace, offset=rec.offset, size_bytes=rec.size_bytes,
+                              generation=rec.generation).SerializeToString()
+
+    def decode(self, key: bytes, value: bytes, is_put: bool, lease: int) -> Change | None:
+        if key.startswith(self.nodes):
+            node_id = NodeId(key[len(self.nodes):].decode())
+            node = node_from_pb(pb.NodeInfo.FromString(value)) if is_put else None
+            return Change(is_put, node_id, lease, node=node)
+        if key.startswith(self.blocks):
+            node_part, _, hash_hex = key[len(self.blocks):].rpartition(b"/")
+            node_id, block_hash = NodeId(node_part.decode()), BlockHash(bytes.fromhex(hash_hex.decode()))
+            block = None
+            if is_put:
+                sb = pb.StoredBlock.FromString(value)
+                block = BlockRecord(block_hash, sb.offset, sb.size_bytes, sb.generation)
+            return Change(is_put, node_id, lease, block_hash=block_hash, block=block)
+        return None
+
+
+class DurableStore:
+    """The write-behind queue to etcd plus load/watch of the current state."""
+
+    def __init__(self, config: MetaServerConfig, etcd: EtcdClient,
+                 on_lease_lost: Callable[[int], None]) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.keys = KeyCodec(config.key_prefix)
+        self._on_lease_lost = on_lease_lost
+        self._pending: dict[bytes, Op] = {}
+        self._inflight: set[bytes] = set()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._flusher: asyncio.Task[None] | None = None
+        self.healthy = True
+        self.on_health_change: Callable[[bool], None] = lambda healthy: None
+        self.written_ops = 0
+
+    # ---- queue ----------------------------------------------------------------------
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending) + len(self._inflight)
+
+    def has_pending(self, key: bytes) -> bool:
+        """True while this replica still has a change of `key` to write: watch events for
+        the key are older than that change and are skipped."""
+        return key in self._pending or key in self._inflight
+
+    def room_for(self, num_ops: int) -> bool:
+        return self.pending_writes + num_ops <= self.config.max_pending_writes
+
+    def enqueue(self, op: Op) -> None:
+        self._pending.pop(op.key, None)  # re-insert at the end: the newest change wins
+        self._pending[op.key] = op
+        self._idle.clear()
+        self._wakeup.set()
+
+    def put_block(self, node: NodeRecord, rec: BlockRecord) -> None:
+        self.enqueue(Put(self.keys.block_key(node.node_id, rec.block_hash),
+                         self.keys.block_value(node.namespace, rec), node.lease_id))
+
+    def delete_block(self, node_id: str, block_hash: bytes) -> None:
+        self.enqueue(Delete(self.keys.block_key(node_id, block_hash)))
+
+    def put_node(self, node: NodeRecord) -> None:
+        self.enqueue(Put(self.keys.node_key(node.node_id), node_to_pb(node).SerializeToString(), node.lease_id))
+
+    async def write_node(self, node: NodeRecord) -> None:
+        """Write a node record now (not queued): other replicas must know a node as soon as
+        its registration is acknowledged. Raises EtcdUnavailable / LeaseNotFound."""
+        await self.etcd.put(self.keys.node_key(node.node_id), node_to_pb(node).SerializeToString(), node.lease_id)
+
+    def drop_lease_ops(self, lease_id: int) -> None:
+        """Forget queued puts under a lease that no longer exists."""
+        for key in [k for k, op in self._pending.items() if isinstance(op, Put) and op.lease == lease_id]:
+            del self._pending[key]
+        self._maybe_idle()
+
+    async def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued change is written; False if `timeout_s` ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def start(self) -> None:
+        self._flusher = asyncio.create_task(self._flush_loop(), name="etcd-flusher")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._flusher, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _maybe_idle(self) -> None:
+        if not self._pending and not self._inflight:
+            self._idle.set()
+
+    def _set_healthy(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            log.warning("etcd %s; %d changes queued", "reachable again" if healthy else "unreachable",
+                        self.pending_writes)
+            self.on_health_change(healthy)
+
+    def _take_batch(self) -> list[Op]:
+        """Up to max_txn_ops queued ops, all deletes or all puts under one lease."""
+        batch: list[Op] = []
+        group: int | None = None
+        for key, op in self._pending.items():
+            if key in self._inflight:
+                continue
+            lease = op.lease if isinstance(op, Put) else -1
+            if group is None:
+                group = lease
+            if lease == group:
+                batch.append(op)
+                if len(batch) >= self.config.max_txn_ops:
+                    break
+        for op in batch:
+            del self._pending[op.key]
+            self._inflight.add(op.key)
+        return batch
+
+    async def _flush_loop(self) -> None:
+        backoff = self.config.etcd_retry_s
+        slots = asyncio.Semaphore(self.config.max_inflight_txns)
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                await slots.acquire()
+                batch = self._take_batch()
+                if not batch:
+                    slots.release()
+                    break  # the rest waits for in-flight keys; their completion wakes us
+                task = asyncio.create_task(self._write(batch, slots))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                if self.healthy:
+                    backoff = self.config.etcd_retry_s
+                    continue
+                await task  # etcd is down: probe with one batch at a time, backing off
+                if not self.healthy:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+
+    async def _write(self, batch: list[Op], slots: asyncio.Semaphore) -> None:
+        try:
+            await self.etcd.txn(batch)
+            self.written_ops += len(batch)
+            self._set_healthy(True)
+        except LeaseNotFound:
+            lease = batch[0].lease if isinstance(batch[0], Put) else 0
+            log.info("lease %x expired with %d queued puts; dropping them", lease, len(batch))
+            self.drop_lease_ops(lease)
+            self._on_lease_lost(lease)
+        except EtcdError as err:
+            # The txn may or may not have been applied; puts and deletes are idempotent, so
+            # write them again unless a newer change of the key was queued meanwhile.
+            if isinstance(err, EtcdUnavailable):
+                self._set_healthy(False)
+            else:
+                log.error("etcd txn failed: %s", err)
+            for op in batch:
+                if op.key not in self._pending:
+                    self._pending[op.key] = op
+        finally:
+            for op in batch:
+                self._inflight.discard(op.key)
+            slots.release()
+            self._maybe_idle()
+            self._wakeup.set()
+
+    # ---- load and watch -------------------------------------------------------------
+
+    async def load(self) -> Snapshot:
+        kvs, revision = await self.etcd.get_prefix(self.keys.prefix)
+        nodes, blocks = [], []
+        for kv in kvs:
+            change = self.keys.decode(kv.key, kv.value, True, kv.lease)
+            if change is None:
+                continue
+            if change.node is not None:
+                nodes.append(change.node)
+            elif change.block is not None:
+                blocks.append((change.node_id, change.block, change.lease))
+        return Snapshot(nodes, blocks, revision)
+
+    async def watch(self, start_revision: int) -> AsyncIterator[list[tuple[Change, bytes]]]:
+        """Decoded changes (with their keys) from `start_revision` on; see EtcdClient.watch_prefix."""
+        events: list[WatchEvent]
+        async for events in self.etcd.watch_prefix(self.keys.prefix, start_revision, self.config.etcd_retry_s):
+            out = []
+            for ev in events:
+                change = self.keys.decode(ev.key, ev.value, ev.is_put, ev.lease)
+                if change is not None:
+                    out.append((change, ev.key))
+            yield out
