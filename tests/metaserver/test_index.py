@@ -1,0 +1,99 @@
+"""Unit tests of the in-memory index (no network)."""
+from metaserver.index import BlockIndex
+from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+
+NS = Namespace("model-a")
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def node(name: str, ns: str = NS, lease: int = 1) -> NodeRecord:
+    return NodeRecord(NodeId(name), f"{name}:1", 0x1000, 1 << 20, Namespace(ns), lease, 10)
+
+
+def publish(index: BlockIndex, name: str, hashes: list[int]) -> None:
+    for i in hashes:
+        assert index.add_block(NodeId(name), BlockRecord(h(i), i * 64, 64, 7))
+
+
+def test_longest_prefix_stops_at_first_gap() -> None:
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    publish(idx, "a", [0, 1, 2, 4, 5])
+    r = idx.query(NS, [h(i) for i in range(6)])
+    assert r.num_matched == 3
+    assert [loc.block_hash for loc in r.locations] == [h(0), h(1), h(2)]
+    assert r.locations[1].offset == 64 and r.locations[1].generation == 7
+    assert idx.query(NS, [h(9), h(0)]).num_matched == 0
+
+
+def test_namespaces_are_isolated() -> None:
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    idx.upsert_node(node("b", ns="model-b"))
+    publish(idx, "a", [0, 1])
+    assert idx.query(Namespace("model-b"), [h(0)]).num_matched == 0
+    assert idx.query(NS, [h(0), h(1)]).num_matched == 2
+
+
+def test_requester_copy_first_else_spread_by_load() -> None:
+    idx = BlockIndex()
+    for n in "abc":
+        idx.upsert_node(node(n))
+        publish(idx, n, list(range(4)))
+    r = idx.query(NS, [h(i) for i in range(4)], requester=NodeId("b"))
+    assert {loc.node_id for loc in r.locations} == {"b"}
+    sources = [loc.node_id for _ in range(30) for loc in idx.query(NS, [h(i) for i in range(4)]).locations]
+    counts = {n: sources.count(n) for n in "abc"}
+    assert max(counts.values()) - min(counts.values()) <= 1, counts
+
+
+def test_unknown_node_cannot_add_and_remove_node_drops_blocks() -> None:
+    idx = BlockIndex()
+    assert not idx.add_block(NodeId("ghost"), BlockRecord(h(0), 0, 64, 0))
+    idx.upsert_node(node("a"))
+    idx.upsert_node(node("b"))
+    publish(idx, "a", [0, 1])
+    publish(idx, "b", [0])
+    assert sorted(idx.remove_node(NodeId("a"))) == [h(0), h(1)]
+    r = idx.query(NS, [h(0), h(1)])
+    assert r.num_matched == 1 and r.locations[0].node_id == "b"
+    assert idx.stats().num_copies == 1
+
+
+def test_changes_are_idempotent() -> None:
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    publish(idx, "a", [0])
+    publish(idx, "a", [0])
+    assert idx.stats().num_copies == 1
+    assert idx.remove_block(NodeId("a"), h(0))
+    assert not idx.remove_block(NodeId("a"), h(0))
+    assert idx.stats().num_blocks == 0
+
+
+def test_reregistration_with_new_buffer_drops_old_blocks() -> None:
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    publish(idx, "a", [0, 1])
+    moved = NodeRecord(NodeId("a"), "a:2", 0x2000, 1 << 20, NS, 2, 10)
+    assert sorted(idx.upsert_node(moved)) == [h(0), h(1)]
+    assert idx.query(NS, [h(0)]).num_matched == 0
+
+
+def test_invalidate_by_hash_namespace_all() -> None:
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    idx.upsert_node(node("b"))
+    idx.upsert_node(node("c", ns="other"))
+    publish(idx, "a", [0, 1, 2])
+    publish(idx, "b", [1])
+    publish(idx, "c", [5])
+    assert len(idx.remove_hashes(NS, [h(1)])) == 2
+    assert idx.query(NS, [h(0), h(1)]).num_matched == 1
+    assert len(idx.remove_namespace(NS)) == 2
+    assert idx.stats().num_copies == 1
+    assert len(idx.remove_all()) == 1
+    assert idx.stats().num_copies == 0 and idx.stats().num_nodes == 3

@@ -1,0 +1,158 @@
+"""The gRPC service end to end: real metaserver process, real etcd."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from metaserver.client import MetaClient
+from metaserver.errors import FailedPrecondition, InvalidArgument, MetaError, NotFound, ResourceExhausted
+from metaserver.launch import MetaserverProcess
+from metaserver.types import BlockHash, BlockRecord
+
+NS = "smollm2-135m|fp32|bs16|L30|kv3|hd64"
+CAP = 1 << 20
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def recs(ids: list[int], size: int = 4096) -> list[BlockRecord]:
+    return [BlockRecord(h(i), i * size, size, 1) for i in ids]
+
+
+@pytest.fixture
+def client(metaserver: MetaserverProcess):
+    with MetaClient(metaserver.address) as c:
+        c.register_node("node-a", "127.0.0.1:7001", 0x7F0000000000, CAP, NS, 10)
+        c.register_node("node-b", "127.0.0.1:7002", 0x7F1000000000, CAP, NS, 10)
+        yield c
+
+
+def test_publish_query_invalidate_round_trip(client: MetaClient) -> None:
+    assert client.publish("node-a", recs([0, 1, 2, 3])) == 4
+    r = client.query_prefix(NS, [h(i) for i in range(6)])
+    assert r.num_matched == 4
+    assert [loc.offset for loc in r.locations] == [0, 4096, 8192, 12288]
+    assert r.nodes["node-a"].session_address == "127.0.0.1:7001"
+    assert r.nodes["node-a"].buffer_address == 0x7F0000000000
+
+    assert client.invalidate(namespace=NS, hashes=[h(2)]) == 1
+    assert client.query_prefix(NS, [h(i) for i in range(4)]).num_matched == 2
+    assert client.unpublish("node-a", [h(1)]) == 1
+    assert client.query_prefix(NS, [h(0), h(1)]).num_matched == 1
+
+    client.publish("node-b", recs([0, 1]))
+    assert client.invalidate(node_id="node-a") == 2  # h0 and h3 were left on node-a
+    r = client.query_prefix(NS, [h(0), h(1)])
+    assert r.num_matched == 2 and {loc.node_id for loc in r.locations} == {"node-b"}
+    assert client.invalidate(namespace=NS, by_namespace=True) == 2
+    client.publish("node-a", recs([7]))
+    assert client.invalidate(all=True) == 1
+    assert client.stats().index.num_copies == 0
+    assert len(client.list_nodes()) == 2  # invalidation keeps nodes registered
+
+
+def test_break_in_chain_ends_match(client: MetaClient) -> None:
+    client.publish("node-a", recs([0, 1, 3, 4]))
+    client.publish("node-b", recs([2]))
+    r = client.query_prefix(NS, [h(i) for i in range(5)])
+    assert r.num_matched == 5  # the gap at 2 is filled by node-b
+    assert [loc.node_id for loc in r.locations] == ["node-a", "node-a", "node-b", "node-a", "node-a"]
+    client.unpublish("node-b", [h(2)])
+    assert client.query_prefix(NS, [h(i) for i in range(5)]).num_matched == 2
+
+
+def test_own_copy_first_then_spread_by_load(client: MetaClient) -> None:
+    client.publish("node-a", recs(list(range(8))))
+    client.publish("node-b", recs(list(range(8))))
+    chain = [h(i) for i in range(8)]
+    mine = client.query_prefix(NS, chain, requester_node_id="node-b")
+    assert {loc.node_id for loc in mine.locations} == {"node-b"}
+    sources = [loc.node_id for _ in range(10) for loc in client.query_prefix(NS, chain, "node-c").locations]
+    assert abs(sources.count("node-a") - sources.count("node-b")) <= 1
+
+
+def test_drain_stops_serving_and_publishing(client: MetaClient) -> None:
+    client.publish("node-a", recs([0, 1]))
+    assert client.drain("node-a") == 2
+    assert client.query_prefix(NS, [h(0)]).num_matched == 0
+    with pytest.raises(FailedPrecondition, match="draining"):
+        client.publish("node-a", recs([0]))
+    assert [n.draining for n, _ in client.list_nodes() if n.node_id == "node-a"] == [True]
+
+
+def test_unregister_removes_node_and_blocks(client: MetaClient) -> None:
+    reg = client.register_node("node-c", "127.0.0.1:7003", 0, CAP, NS, 10)
+    client.publish("node-c", recs([0]))
+    assert client.unregister_node("node-c", reg.lease_id) == 1
+    assert "node-c" not in {n.node_id for n, _ in client.list_nodes()}
+    with pytest.raises(NotFound):
+        client.keepalive("node-c", reg.lease_id)
+
+
+def test_health_and_reflection(metaserver: MetaserverProcess) -> None:
+    with grpc.insecure_channel(metaserver.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "kvpool.v1.MetaService", "kvpool.v1.MetaService.etcd"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, service
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        answers = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=5))
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert {"kvpool.v1.MetaService", "grpc.health.v1.Health"} <= names
+
+
+# ---- bad input: the right status, a message, and no change to the index -----------------
+
+BAD_CASES = [
+    ("hash of wrong length", lambda c: c.publish("node-a", [BlockRecord(BlockHash(b"\1" * 31), 0, 64, 0)]),
+     InvalidArgument, "31 bytes, expected 32"),
+    ("empty publish", lambda c: c.publish("node-a", []), InvalidArgument, "at least one"),
+    ("oversized publish", lambda c: c.publish("node-a", recs(list(range(8193)), size=64)), ResourceExhausted,
+     "exceed the limit"),
+    ("oversized query", lambda c: c.query_prefix(NS, [h(i) for i in range(16385)]), ResourceExhausted, "limit"),
+    ("empty query", lambda c: c.query_prefix(NS, []), InvalidArgument, "at least one"),
+    ("unregistered node publishes", lambda c: c.publish("ghost", recs([0])), FailedPrecondition, "not registered"),
+    ("unknown namespace query", lambda c: c.query_prefix("no-such-model", [h(0)]), NotFound, "unknown"),
+    ("unknown namespace invalidate", lambda c: c.invalidate(namespace="nope", by_namespace=True), NotFound, "unknown"),
+    ("negative size", lambda c: c.publish("node-a", [BlockRecord(h(0), 0, -5, 0)]), InvalidArgument, "outside"),
+    ("negative offset", lambda c: c.publish("node-a", [BlockRecord(h(0), -64, 64, 0)]), InvalidArgument, "outside"),
+    ("block past the pool", lambda c: c.publish("node-a", [BlockRecord(h(0), CAP - 10, 64, 0)]), InvalidArgument,
+     "outside"),
+    ("absurd capacity", lambda c: c.register_node("node-z", "127.0.0.1:1", 0, 1 << 62, NS), InvalidArgument,
+     "capacity_bytes"),
+    ("negative capacity", lambda c: c.register_node("node-z", "127.0.0.1:1", 0, -1, NS), InvalidArgument,
+     "capacity_bytes"),
+    ("bad node id", lambda c: c.register_node("a/b", "127.0.0.1:1", 0, 64, NS), InvalidArgument, "node_id"),
+    ("bad session address", lambda c: c.register_node("node-z", "nowhere", 0, 64, NS), InvalidArgument,
+     "session_address"),
+    ("absurd lease ttl", lambda c: c.register_node("node-z", "127.0.0.1:1", 0, 64, NS, 10**6), InvalidArgument,
+     "lease_ttl_s"),
+    ("invalidate without target", lambda c: c.invalidate(), InvalidArgument, "one target"),
+    ("invalidate unknown node", lambda c: c.invalidate(node_id="ghost"), NotFound, "not registered"),
+    ("keepalive of unknown node", lambda c: c.keepalive("ghost", 1), NotFound, "register again"),
+    ("drain unknown node", lambda c: c.drain("ghost"), FailedPrecondition, "not registered"),
+    ("one bad record spoils the batch", lambda c: c.publish("node-a", recs([0, 1]) + [BlockRecord(h(2), 0, 0, 0)]),
+     InvalidArgument, "block #2"),
+]
+
+
+def _snapshot(c: MetaClient) -> tuple:
+    s = c.stats()
+    return (s.index, tuple(sorted((n.node_id, k, n.draining) for n, k in c.list_nodes())),
+            c.query_prefix(NS, [h(i) for i in range(4)]).num_matched)
+
+
+@pytest.mark.parametrize("name,call,exc,message", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_bad_input_is_rejected_without_change(client: MetaClient, name: str, call, exc: type[MetaError],
+                                              message: str) -> None:
+    client.publish("node-a", recs([0, 1]))
+    before = _snapshot(client)
+    with pytest.raises(exc, match=message) as info:
+        call(client)
+    assert info.value.code == exc.code
+    assert _snapshot(client) == before
