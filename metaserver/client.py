@@ -123,11 +123,12 @@ class MetaClient:
                      timeout_s: float | None = None) -> QueryResult:
         resp = self._rpc("QueryPrefix", pb.QueryPrefixRequest(
             namespace=namespace, block_hashes=list(hashes), requester_node_id=requester_node_id), timeout_s)
-        return QueryResult(
-            tuple(BlockLocation(BlockHash(loc.block_hash), NodeId(loc.node_id), loc.offset, loc.size_bytes,
-                                loc.generation) for loc in resp.locations),
-            {NodeId(n.node_id): node_from_pb(n) for n in resp.nodes},
-        )
+        nodes = [node_from_pb(n) for n in resp.nodes]
+        locations = tuple(
+            BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
+            for i, (k, off, size, gen) in enumerate(zip(resp.node_index, resp.offsets, resp.sizes_bytes,
+                                                        resp.generations)))
+        return QueryResult(locations, {n.node_id: n for n in nodes})
 
     def invalidate(self, *, namespace: str = "", hashes: Sequence[bytes] | None = None, node_id: str = "",
                    by_namespace: bool = False, all: bool = False) -> int:  # noqa: A002 - mirrors the proto

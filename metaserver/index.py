@@ -120,6 +120,7 @@ class BlockIndex:
         nodes: dict[NodeId, NodeRecord] = {}
         if ns_map is None:
             return QueryResult((), nodes)
+        load = self._source_load
         prev: NodeId | None = None
         for h in chain:
             holders = ns_map.get(h)
@@ -128,11 +129,15 @@ class BlockIndex:
             if requester is not None and requester in holders:
                 chosen = requester
             else:
-                chosen = min(holders, key=lambda n: (self._source_load[n], n != prev, n))
-                self._source_load[chosen] += 1
+                if len(holders) == 1:
+                    chosen = next(iter(holders))
+                else:
+                    chosen = min(holders, key=lambda n: (load[n], n != prev, n))
+                load[chosen] += 1
             locations.append(holders[chosen])
-            nodes[chosen] = self.nodes[chosen]
-            prev = chosen
+            if chosen != prev:
+                nodes[chosen] = self.nodes[chosen]
+                prev = chosen
         return QueryResult(tuple(locations), nodes)
 
     def num_blocks_of(self, node_id: NodeId) -> int:

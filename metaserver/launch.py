@@ -128,8 +128,9 @@ class MetaserverProcess:
     """One `kvpool metaserver` replica as a child process on 127.0.0.1."""
 
     def __init__(self, etcd_endpoints: str, log_path: Path, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
         self.etcd_endpoints = etcd_endpoints
+        self.log_level = log_level
         self.port = port or free_port()
         self.log_path = Path(log_path)
         self.extra_args = extra_args
@@ -140,7 +141,7 @@ class MetaserverProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
-        args = [sys.executable, "-m", "kvpool", "metaserver", "--listen", self.address,
+        args = [sys.executable, "-m", "kvpool", "--log-level", self.log_level, "metaserver", "--listen", self.address,
                 "--etcd", self.etcd_endpoints, *self.extra_args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:

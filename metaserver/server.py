@@ -1,18 +1,24 @@
-"""The metaserver process: gRPC server (MetaService, grpc.health.v1, reflection) on asyncio.
+"""The metaserver process: gRPC server (MetaService, grpc.health.v1, reflection).
+
+Two halves: a synchronous gRPC server whose handler threads answer from the in-memory
+index, and one asyncio event loop thread that owns everything etcd (load, watch, the
+write-behind flusher, leases). See `metaserver.service` for the locking.
 
 Lifecycle: connect to etcd and rebuild the index (retrying while etcd is down, health
 NOT_SERVING meanwhile), serve, and on SIGTERM/SIGINT stop accepting calls, write queued
-changes through to etcd (bounded) and exit.
+changes through to etcd (bounded by shutdown_flush_s) and exit.
 
-Health: the overall service "" and "kvpool.v1.MetaService" are SERVING once the index is
-loaded; "kvpool.v1.MetaService.etcd" is NOT_SERVING while etcd is unreachable (degraded:
-queries are still answered from memory and changes are queued).
+Health: "" and "kvpool.v1.MetaService" are SERVING once the index is loaded;
+"kvpool.v1.MetaService.etcd" is NOT_SERVING while etcd is unreachable (degraded: queries
+are still answered from memory and changes are queued).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import threading
+from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,38 +39,49 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class MetaServer:
-    """One replica. `await start()`, then `await wait()`; `await stop()` from anywhere."""
+    """One replica: `start()` (returns once listening), `wait()`, `stop()`; thread-safe."""
 
-    def __init__(self, config: MetaServerConfig) -> None:
+    def __init__(self, config: MetaServerConfig, handler_threads: int = 2) -> None:
         self.config = config
-        self._stopped = asyncio.Event()
-        self.etcd = EtcdClient(config.etcd_endpoints, timeout_s=config.etcd_timeout_s)
-        self.service = MetaService(config, self.etcd)
-        self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20),
-                                               ("grpc.so_reuseport", 0)])
-        meta_pb2_grpc.add_MetaServiceServicer_to_server(MetaServicer(self.service), self.server)
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="etcd-loop", daemon=True)
+        self.etcd: EtcdClient | None = None
+        self.service: MetaService | None = None
+        self.health = health.HealthServicer()
+        self.server = grpc.server(futures.ThreadPoolExecutor(handler_threads, thread_name_prefix="rpc"),
+                                  options=[("grpc.max_receive_message_length", 16 << 20), ("grpc.so_reuseport", 0)])
+        self._stopped = threading.Event()
+        self._ready = threading.Event()
+
+    def _set_health(self, status: int, *names: str) -> None:
+        for name in names or ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        """Bind and serve; loading the index from etcd continues in the background."""
+        self._loop_thread.start()
+        self.etcd = asyncio.run_coroutine_threadsafe(self._make_etcd(), self.loop).result()
+        self.service = MetaService(self.config, self.etcd)
+        meta_pb2_grpc.add_MetaServiceServicer_to_server(
+            MetaServicer(self.service, self.loop, self.config.etcd_timeout_s * 3), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(config.listen)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {config.listen}")
-
-    async def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    def _on_etcd_health(self, healthy: bool) -> None:
-        asyncio.get_running_loop().create_task(self.health.set(ETCD_HEALTH_NAME, _SERVING if healthy else _NOT_SERVING))
-
-    async def start(self) -> None:
-        await self._set_health(_NOT_SERVING)
-        await self.health.set(ETCD_HEALTH_NAME, _NOT_SERVING)
-        await self.server.start()
+        self._set_health(_NOT_SERVING)
+        self._set_health(_NOT_SERVING, ETCD_HEALTH_NAME)
+        if self.server.add_insecure_port(self.config.listen) == 0:
+            raise OSError(f"cannot listen on {self.config.listen}")
+        self.server.start()
         log.info("metaserver %s listening on %s (etcd %s)", self.config.replica_name, self.config.listen,
                  ",".join(self.config.etcd_endpoints))
+        asyncio.run_coroutine_threadsafe(self._load(), self.loop)
+
+    async def _make_etcd(self) -> EtcdClient:
+        return EtcdClient(self.config.etcd_endpoints, timeout_s=self.config.etcd_timeout_s)
+
+    async def _load(self) -> None:
+        assert self.service is not None
         delay = self.config.etcd_retry_s
         while True:
             try:
@@ -74,36 +91,41 @@ class MetaServer:
                 log.warning("etcd unavailable at start (%s); retrying in %.1fs", err, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        self.service.store.on_health_change = self._on_etcd_health
-        await self.health.set(ETCD_HEALTH_NAME, _SERVING)
-        await self._set_health(_SERVING)
+        self.service.store.on_health_change = lambda ok: self._set_health(_SERVING if ok else _NOT_SERVING,
+                                                                         ETCD_HEALTH_NAME)
+        self._set_health(_SERVING, ETCD_HEALTH_NAME)
+        self._set_health(_SERVING)
+        self._ready.set()
         log.info("metaserver %s ready", self.config.replica_name)
 
-    async def wait(self) -> None:
-        await self._stopped.wait()
+    def wait(self) -> None:
+        self._stopped.wait()
 
-    async def stop(self, grace_s: float = 1.0) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
         if self._stopped.is_set():
             return
         log.info("metaserver %s shutting down", self.config.replica_name)
-        await self._set_health(_NOT_SERVING)
-        await self.server.stop(grace_s)
-        await self.service.stop()
-        await self.etcd.close()
+        self._set_health(_NOT_SERVING)
+        self.server.stop(grace_s).wait()
+        if self.service is not None and self._ready.is_set():
+            asyncio.run_coroutine_threadsafe(self.service.stop(), self.loop).result()
+        if self.etcd is not None:
+            asyncio.run_coroutine_threadsafe(self.etcd.close(), self.loop).result()
+        for task in asyncio.all_tasks(self.loop):
+            self.loop.call_soon_threadsafe(task.cancel)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(5)
         self._stopped.set()
         log.info("metaserver %s stopped", self.config.replica_name)
 
 
-async def serve(config: MetaServerConfig) -> None:
-    """Run one replica until SIGTERM or SIGINT."""
-    server = MetaServer(config)
-    loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()
+def serve(config: MetaServerConfig, handler_threads: int = 2) -> None:
+    """Run one replica in this process until SIGTERM or SIGINT."""
+    server = MetaServer(config, handler_threads)
+    stop_requested = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
-    start = asyncio.create_task(server.start())
-    await stop_requested.wait()
+        signal.signal(sig, lambda *_: stop_requested.set())
+    server.start()
+    stop_requested.wait()
     log.info("signal received")
-    start.cancel()
-    await asyncio.gather(start, return_exceptions=True)
-    await server.stop()
+    server.stop()

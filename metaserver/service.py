@@ -5,14 +5,20 @@ Where it sits: called by the thin gRPC servicer (`metaserver.servicer`); owns th
 Every method validates its whole input before changing anything, so a rejected request
 changes nothing. Errors are `metaserver.errors` types.
 
-Not thread-safe: every method runs on the server's event loop.
+Threading: the async methods and the etcd watch run on the server's event loop thread;
+the plain methods are called from gRPC handler threads. Every access to the index and the
+write queue holds `self.lock` (the plain public methods take it themselves), and no lock is
+held across an await.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar, cast
 
 from metaserver.config import MetaServerConfig
 from metaserver.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -24,6 +30,30 @@ from metaserver.types import BlockHash, BlockRecord, IndexStats, Namespace, Node
 log = logging.getLogger(__name__)
 
 _MAX_ID_LEN = 256
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(notify: bool) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Run the method holding `self.lock`; with `notify`, wake the etcd flusher afterwards."""
+
+    def decorate(method: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(method)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            self = args[0]
+            with self.lock:  # type: ignore[attr-defined]
+                result = method(*args, **kwargs)
+            if notify:
+                self.store.notify()  # type: ignore[attr-defined]
+            return result
+
+        return wrapper
+
+    return decorate
+
+
+reader = _locked(notify=False)
+writer = _locked(notify=True)
 
 
 @dataclass
@@ -37,8 +67,9 @@ class Counters:
 class MetaService:
     def __init__(self, config: MetaServerConfig, etcd: EtcdClient) -> None:
         self.config = config
+        self.lock = threading.RLock()
         self.index = BlockIndex()
-        self.store = DurableStore(config, etcd, on_lease_lost=self._lease_lost)
+        self.store = DurableStore(config, etcd, self.lock, on_lease_lost=self._lease_lost)
         self.counters = Counters()
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -47,7 +78,8 @@ class MetaService:
     async def start(self) -> None:
         """Rebuild the index from etcd, then follow etcd's changes. Raises EtcdUnavailable."""
         snap = await self.store.load()
-        self._rebuild(snap)
+        with self.lock:
+            self._rebuild(snap)
         self.store.start()
         self._watch_task = asyncio.create_task(self._follow(snap.revision + 1), name="etcd-watch")
         log.info("index loaded from etcd at revision %d: %d nodes, %d block copies",
@@ -80,9 +112,10 @@ class MetaService:
         while True:
             try:
                 async for changes in self.store.watch(revision):
-                    for change, key in changes:
-                        if not self.store.has_pending(key):
-                            self._apply(change)
+                    with self.lock:
+                        for change, key in changes:
+                            if not self.store.has_pending(key):
+                                self._apply(change)
                 return
             except WatchCompacted:
                 log.warning("etcd history compacted; reloading the index")
@@ -94,7 +127,8 @@ class MetaService:
                     break
                 except EtcdUnavailable:
                     await asyncio.sleep(self.config.etcd_retry_s)
-            self._rebuild(snap)
+            with self.lock:
+                self._rebuild(snap)
             revision = snap.revision + 1
 
     def _apply(self, change: Change) -> None:
@@ -113,6 +147,7 @@ class MetaService:
             self.index.remove_block(change.node_id, change.block_hash)
 
     def _lease_lost(self, lease_id: int) -> None:
+        """Drop the node(s) of an expired lease. Caller holds the lock."""
         for node in [n for n in self.index.nodes.values() if n.lease_id == lease_id]:
             log.info("node %s: lease expired; dropping it and its blocks", node.node_id)
             self.index.remove_node(node.node_id)
@@ -165,7 +200,8 @@ class MetaService:
         ttl = lease_ttl_s or self.config.default_lease_ttl_s
         if not 1 <= ttl <= self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
-        old = self.index.nodes.get(NodeId(node_id))
+        with self.lock:
+            old = self.index.nodes.get(NodeId(node_id))
         try:
             lease_id, granted = await self.store.etcd.lease_grant(ttl)
             if old is not None:
@@ -175,10 +211,11 @@ class MetaService:
             await self.store.write_node(node)
         except EtcdError as err:
             raise Unavailable(f"cannot register node {node_id!r} while etcd is unavailable: {err}") from None
-        if old is not None:
-            self.store.drop_lease_ops(old.lease_id)
-            self.index.remove_node(old.node_id)
-        self.index.upsert_node(node)
+        with self.lock:
+            if old is not None:
+                self.store.drop_lease_ops(old.lease_id)
+                self.index.remove_node(old.node_id)
+            self.index.upsert_node(node)
         log.info("node %s registered (lease %x, ttl %ds, %s, %d bytes)", node_id, lease_id, granted,
                  session_address, capacity_bytes)
         return node
@@ -186,33 +223,38 @@ class MetaService:
     async def keepalive(self, node_id: str, lease_id: int) -> int:
         """Refresh the node's lease; NotFound means: register again and re-publish."""
         self._check_id("node_id", node_id)
-        node = self.index.nodes.get(NodeId(node_id))
+        with self.lock:
+            node = self.index.nodes.get(NodeId(node_id))
         if node is None or node.lease_id != lease_id:
             raise NotFound(f"node {node_id!r} has no lease {lease_id:x}; register again")
         try:
             return await self.store.etcd.lease_keepalive(lease_id)
         except LeaseNotFound:
-            self._lease_lost(lease_id)
+            with self.lock:
+                self._lease_lost(lease_id)
             raise NotFound(f"lease of node {node_id!r} expired; register again") from None
         except EtcdUnavailable:
             # Degraded: etcd renews every lease to its full TTL when it comes back.
             return node.lease_ttl_s
 
     async def unregister_node(self, node_id: str, lease_id: int) -> int:
-        node = self._node(node_id)
+        with self.lock:
+            node = self._node(node_id)
         if node.lease_id != lease_id:
             raise FailedPrecondition(f"node {node_id!r} is registered under another lease")
         try:
             await self.store.etcd.lease_revoke(lease_id)
         except EtcdUnavailable as err:
             raise Unavailable(f"cannot unregister while etcd is unreachable: {err}") from None
-        self.store.drop_lease_ops(lease_id)
-        removed = self.index.remove_node(node.node_id)
+        with self.lock:
+            self.store.drop_lease_ops(lease_id)
+            removed = self.index.remove_node(node.node_id)
         log.info("node %s unregistered (%d blocks dropped)", node_id, len(removed))
         return len(removed)
 
     # ---- blocks ---------------------------------------------------------------------
 
+    @writer
     def publish(self, node_id: str, records: Sequence[BlockRecord]) -> int:
         node = self._node(node_id)
         if node.draining:
@@ -231,6 +273,7 @@ class MetaService:
         self.counters.published_blocks += len(records)
         return len(records)
 
+    @writer
     def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:
         node = self._node(node_id)
         self._check_hashes(hashes, self.config.max_publish_batch, "unpublish")
@@ -241,11 +284,12 @@ class MetaService:
                 removed += 1
         return removed
 
+    @reader
     def query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
         """Longest present prefix; never waits for etcd (see BlockIndex.query)."""
         self._check_hashes(hashes, self.config.max_query_hashes, "query")
         ns = self._check_namespace(namespace)
-        result = self.index.query(ns, [BlockHash(h) for h in hashes], NodeId(requester) if requester else None)
+        result = self.index.query(ns, cast(list[BlockHash], hashes), NodeId(requester) if requester else None)
         self.counters.queries += 1
         self.counters.query_blocks += len(hashes)
         self.counters.query_hit_blocks += result.num_matched
@@ -256,23 +300,28 @@ class MetaService:
             self.store.delete_block(node_id, h)
         return len(dropped)
 
+    @writer
     def invalidate_hashes(self, namespace: str, hashes: Sequence[bytes]) -> int:
         self._check_hashes(hashes, self.config.max_invalidate_hashes, "invalidate")
         ns = self._check_namespace(namespace)
         return self._delete_copies(self.index.remove_hashes(ns, [BlockHash(h) for h in hashes]))
 
+    @writer
     def invalidate_node(self, node_id: str) -> int:
         self._check_id("node_id", node_id)
         if NodeId(node_id) not in self.index.nodes:
             raise NotFound(f"node {node_id!r} is not registered")
         return self._delete_copies([(NodeId(node_id), h) for h in self.index.remove_node_blocks(NodeId(node_id))])
 
+    @writer
     def invalidate_namespace(self, namespace: str) -> int:
         return self._delete_copies(self.index.remove_namespace(self._check_namespace(namespace)))
 
+    @writer
     def invalidate_all(self) -> int:
         return self._delete_copies(self.index.remove_all())
 
+    @writer
     def drain(self, node_id: str) -> int:
         """Stop using a node as a source and refuse its publishes (before it shuts down)."""
         node = self._node(node_id)
@@ -286,9 +335,11 @@ class MetaService:
 
     # ---- introspection --------------------------------------------------------------
 
+    @reader
     def nodes(self) -> list[tuple[NodeRecord, int]]:
         return [(n, self.index.num_blocks_of(n.node_id)) for n in sorted(self.index.nodes.values(),
                                                                           key=lambda n: n.node_id)]
 
+    @reader
     def index_stats(self) -> IndexStats:
         return self.index.stats()

@@ -1,29 +1,28 @@
 """The gRPC servicer: protobuf in, `MetaService` call, protobuf out; errors become statuses.
 
 Protobuf types stop here; the domain layer sees dataclasses (`metaserver.types`).
+Handlers run on the gRPC server's thread pool (the synchronous server handles about 1.5x
+the calls per second of grpc.aio here). Plain domain methods lock the index themselves;
+async ones (those that talk to etcd before answering) run on the service's event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
-from metaserver.errors import InvalidArgument, MetaError
+from metaserver.errors import InvalidArgument, MetaError, Unavailable
 from metaserver.service import MetaService
 from metaserver.store import node_to_pb
-from metaserver.types import BlockHash, BlockLocation, BlockRecord, NodeRecord
+from metaserver.types import BlockHash, BlockRecord, NodeRecord, QueryResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def location_to_pb(loc: BlockLocation) -> pb.BlockLocation:
-    return pb.BlockLocation(block_hash=loc.block_hash, node_id=loc.node_id, offset=loc.offset,
-                            size_bytes=loc.size_bytes, generation=loc.generation)
 
 
 def node_info(node: NodeRecord, num_blocks: int = 0) -> pb.NodeInfo:
@@ -32,55 +31,67 @@ def node_info(node: NodeRecord, num_blocks: int = 0) -> pb.NodeInfo:
     return msg
 
 
-async def _call(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T] | T]) -> T:
+def query_response(result: QueryResult) -> pb.QueryPrefixResponse:
+    order = {node_id: i for i, node_id in enumerate(result.nodes)}
+    locs = result.locations
+    return pb.QueryPrefixResponse(
+        num_matched=len(locs), nodes=[node_info(n) for n in result.nodes.values()],
+        node_index=[order[loc.node_id] for loc in locs], offsets=[loc.offset for loc in locs],
+        sizes_bytes=[loc.size_bytes for loc in locs], generations=[loc.generation for loc in locs])
+
+
+def _call(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     """Run a domain call; a MetaError aborts the RPC with its status and message."""
     try:
-        result = fn()
-        if isinstance(result, Awaitable):
-            result = await result
-        return result  # type: ignore[return-value]
+        return fn()
     except MetaError as err:
-        await context.abort(err.code, str(err))
+        context.abort(err.code, str(err))
     raise AssertionError("unreachable")
 
 
 class MetaServicer(pb_grpc.MetaServiceServicer):
-    def __init__(self, service: MetaService) -> None:
+    def __init__(self, service: MetaService, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.service = service
+        self._loop = loop
+        self._timeout_s = timeout_s
 
-    async def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.aio.ServicerContext) -> pb.RegisterNodeResponse:
-        node = await _call(context, lambda: self.service.register_node(
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(self._timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise Unavailable(f"no answer from etcd within {self._timeout_s}s") from None
+
+    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
+        node = _call(context, lambda: self._on_loop(self.service.register_node(
             request.node_id, request.session_address, request.buffer_address, request.capacity_bytes,
-            request.layout_fingerprint, request.lease_ttl_s))
+            request.layout_fingerprint, request.lease_ttl_s)))
         return pb.RegisterNodeResponse(lease_id=node.lease_id, lease_ttl_s=node.lease_ttl_s)
 
-    async def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
-        ttl = await _call(context, lambda: self.service.keepalive(request.node_id, request.lease_id))
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
+        ttl = _call(context, lambda: self._on_loop(self.service.keepalive(request.node_id, request.lease_id)))
         return pb.KeepAliveResponse(lease_ttl_s=ttl)
 
-    async def UnregisterNode(self, request: pb.UnregisterNodeRequest, context: grpc.aio.ServicerContext) -> pb.UnregisterNodeResponse:
-        n = await _call(context, lambda: self.service.unregister_node(request.node_id, request.lease_id))
+    def UnregisterNode(self, request: pb.UnregisterNodeRequest, context: grpc.ServicerContext) -> pb.UnregisterNodeResponse:
+        n = _call(context, lambda: self._on_loop(self.service.unregister_node(request.node_id, request.lease_id)))
         return pb.UnregisterNodeResponse(num_blocks_removed=n)
 
-    async def Publish(self, request: pb.PublishRequest, context: grpc.aio.ServicerContext) -> pb.PublishResponse:
+    def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext) -> pb.PublishResponse:
         records = [BlockRecord(BlockHash(b.block_hash), b.offset, b.size_bytes, b.generation) for b in request.blocks]
-        n = await _call(context, lambda: self.service.publish(request.node_id, records))
+        n = _call(context, lambda: self.service.publish(request.node_id, records))
         return pb.PublishResponse(num_published=n)
 
-    async def Unpublish(self, request: pb.UnpublishRequest, context: grpc.aio.ServicerContext) -> pb.UnpublishResponse:
-        n = await _call(context, lambda: self.service.unpublish(request.node_id, list(request.block_hashes)))
+    def Unpublish(self, request: pb.UnpublishRequest, context: grpc.ServicerContext) -> pb.UnpublishResponse:
+        n = _call(context, lambda: self.service.unpublish(request.node_id, list(request.block_hashes)))
         return pb.UnpublishResponse(num_removed=n)
 
-    async def QueryPrefix(self, request: pb.QueryPrefixRequest, context: grpc.aio.ServicerContext) -> pb.QueryPrefixResponse:
-        result = await _call(context, lambda: self.service.query(
+    def QueryPrefix(self, request: pb.QueryPrefixRequest, context: grpc.ServicerContext) -> pb.QueryPrefixResponse:
+        result = _call(context, lambda: self.service.query(
             request.namespace, list(request.block_hashes), request.requester_node_id))
-        return pb.QueryPrefixResponse(
-            num_matched=result.num_matched,
-            locations=[location_to_pb(loc) for loc in result.locations],
-            nodes=[node_info(n) for n in result.nodes.values()],
-        )
+        return query_response(result)
 
-    async def Invalidate(self, request: pb.InvalidateRequest, context: grpc.aio.ServicerContext) -> pb.InvalidateResponse:
+    def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext) -> pb.InvalidateResponse:
         target = request.WhichOneof("target")
         svc = self.service
         calls: dict[str | None, Callable[[], int]] = {
@@ -95,16 +106,16 @@ class MetaServicer(pb_grpc.MetaServiceServicer):
                 raise InvalidArgument("invalidate needs one target: hashes, node_id, by_namespace or all")
             return calls[target]()
 
-        n = await _call(context, run)
+        n = _call(context, run)
         log.info("invalidate %s%s: %d copies removed", target,
                  f" ({request.namespace})" if request.namespace else "", n)
         return pb.InvalidateResponse(num_removed=n)
 
-    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> pb.DrainResponse:
-        n = await _call(context, lambda: self.service.drain(request.node_id))
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        n = _call(context, lambda: self.service.drain(request.node_id))
         return pb.DrainResponse(num_removed=n)
 
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         s = self.service.index_stats()
         c = self.service.counters
         return pb.StatsResponse(
@@ -116,5 +127,5 @@ class MetaServicer(pb_grpc.MetaServiceServicer):
             pending_writes=self.service.store.pending_writes, replica_id=self.service.config.replica_name,
         )
 
-    async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
+    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(nodes=[node_info(n, k) for n, k in self.service.nodes()])

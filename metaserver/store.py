@@ -15,12 +15,17 @@ for one key. While etcd is unreachable the queue is kept and retried with backof
 `healthy` is False; nothing is lost unless this process dies, in which case the nodes
 re-publish what they hold when they re-register.
 
-Not thread-safe: use from the metaserver's event loop.
+Threading: the flusher, load and watch run on the metaserver's event loop; `enqueue` and
+friends are called from gRPC handler threads. Both sides hold the shared `lock` while they
+touch the queue; callers of the queue methods must hold it. After queueing, a caller calls
+`notify()` (thread-safe) once to wake the flusher.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -103,17 +108,17 @@ class KeyCodec:
 class DurableStore:
     """The write-behind queue to etcd plus load/watch of the current state."""
 
-    def __init__(self, config: MetaServerConfig, etcd: EtcdClient,
+    def __init__(self, config: MetaServerConfig, etcd: EtcdClient, lock: threading.RLock,
                  on_lease_lost: Callable[[int], None]) -> None:
         self.config = config
         self.etcd = etcd
+        self.lock = lock
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.keys = KeyCodec(config.key_prefix)
         self._on_lease_lost = on_lease_lost
         self._pending: dict[bytes, Op] = {}
         self._inflight: set[bytes] = set()
         self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._flusher: asyncio.Task[None] | None = None
         self.healthy = True
@@ -137,8 +142,11 @@ class DurableStore:
     def enqueue(self, op: Op) -> None:
         self._pending.pop(op.key, None)  # re-insert at the end: the newest change wins
         self._pending[op.key] = op
-        self._idle.clear()
-        self._wakeup.set()
+
+    def notify(self) -> None:
+        """Wake the flusher after queueing (any thread; lock not needed)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
 
     def put_block(self, node: NodeRecord, rec: BlockRecord) -> None:
         self.enqueue(Put(self.keys.block_key(node.node_id, rec.block_hash),
@@ -159,17 +167,19 @@ class DurableStore:
         """Forget queued puts under a lease that no longer exists."""
         for key in [k for k, op in self._pending.items() if isinstance(op, Put) and op.lease == lease_id]:
             del self._pending[key]
-        self._maybe_idle()
 
     async def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued change is written; False if `timeout_s` ran out first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.pending_writes:
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
         return True
 
     def start(self) -> None:
+        """Start the flusher on the running loop."""
+        self._loop = asyncio.get_running_loop()
         self._flusher = asyncio.create_task(self._flush_loop(), name="etcd-flusher")
 
     async def stop(self) -> None:
@@ -177,10 +187,6 @@ class DurableStore:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _maybe_idle(self) -> None:
-        if not self._pending and not self._inflight:
-            self._idle.set()
 
     def _set_healthy(self, healthy: bool) -> None:
         if healthy != self.healthy:
@@ -208,6 +214,10 @@ class DurableStore:
             self._inflight.add(op.key)
         return batch
 
+    def _take_batch_locked(self) -> list[Op]:
+        with self.lock:
+            return self._take_batch()
+
     async def _flush_loop(self) -> None:
         backoff = self.config.etcd_retry_s
         slots = asyncio.Semaphore(self.config.max_inflight_txns)
@@ -216,7 +226,7 @@ class DurableStore:
             self._wakeup.clear()
             while self._pending:
                 await slots.acquire()
-                batch = self._take_batch()
+                batch = self._take_batch_locked()
                 if not batch:
                     slots.release()
                     break  # the rest waits for in-flight keys; their completion wakes us
@@ -239,8 +249,9 @@ class DurableStore:
         except LeaseNotFound:
             lease = batch[0].lease if isinstance(batch[0], Put) else 0
             log.info("lease %x expired with %d queued puts; dropping them", lease, len(batch))
-            self.drop_lease_ops(lease)
-            self._on_lease_lost(lease)
+            with self.lock:
+                self.drop_lease_ops(lease)
+                self._on_lease_lost(lease)
         except EtcdError as err:
             # The txn may or may not have been applied; puts and deletes are idempotent, so
             # write them again unless a newer change of the key was queued meanwhile.
@@ -248,14 +259,15 @@ class DurableStore:
                 self._set_healthy(False)
             else:
                 log.error("etcd txn failed: %s", err)
-            for op in batch:
-                if op.key not in self._pending:
-                    self._pending[op.key] = op
+            with self.lock:
+                for op in batch:
+                    if op.key not in self._pending:
+                        self._pending[op.key] = op
         finally:
-            for op in batch:
-                self._inflight.discard(op.key)
+            with self.lock:
+                for op in batch:
+                    self._inflight.discard(op.key)
             slots.release()
-            self._maybe_idle()
             self._wakeup.set()
 
     # ---- load and watch -------------------------------------------------------------

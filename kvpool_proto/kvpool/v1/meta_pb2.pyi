@@ -40,20 +40,6 @@ class BlockRecord(_message.Message):
     generation: int
     def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class BlockLocation(_message.Message):
-    __slots__ = ("block_hash", "node_id", "offset", "size_bytes", "generation")
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    block_hash: bytes
-    node_id: str
-    offset: int
-    size_bytes: int
-    generation: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., node_id: _Optional[str] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
-
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -145,14 +131,20 @@ class QueryPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., requester_node_id: _Optional[str] = ...) -> None: ...
 
 class QueryPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "locations", "nodes")
+    __slots__ = ("num_matched", "nodes", "node_index", "offsets", "sizes_bytes", "generations")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
-    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
-    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, num_matched: _Optional[int] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    node_index: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HashList(_message.Message):
     __slots__ = ("block_hashes",)
