@@ -238,8 +238,11 @@ class MetaService:
             return node.lease_ttl_s
 
     async def unregister_node(self, node_id: str, lease_id: int) -> int:
+        """Revoke the node's lease; returns how many of its blocks left the index."""
         with self.lock:
             node = self._node(node_id)
+            # Counted before the revoke: the watch may drop the blocks before we do.
+            num_blocks = self.index.num_blocks_of(node.node_id)
         if node.lease_id != lease_id:
             raise FailedPrecondition(f"node {node_id!r} is registered under another lease")
         try:
@@ -248,9 +251,9 @@ class MetaService:
             raise Unavailable(f"cannot unregister while etcd is unreachable: {err}") from None
         with self.lock:
             self.store.drop_lease_ops(lease_id)
-            removed = self.index.remove_node(node.node_id)
-        log.info("node %s unregistered (%d blocks dropped)", node_id, len(removed))
-        return len(removed)
+            self.index.remove_node(node.node_id)
+        log.info("node %s unregistered (%d blocks dropped)", node_id, num_blocks)
+        return num_blocks
 
     # ---- blocks ---------------------------------------------------------------------
 
