@@ -1,0 +1,131 @@
+"""The binding layer over the Mooncake Transfer Engine: config in, exceptions out.
+
+Where it sits: `kvpool.pool` reads remote blocks through this module only. The binding
+returns integer codes (0 ok, negative failure; batch status 1 done, 0 pending, -1 failed,
+-2 timed out); here they become `TransferError`s. Protocol (tcp, rdma), metadata mode
+(P2PHANDSHAKE, etcd://..., http://...) and device are configuration.
+
+The engine reads its timeouts from the environment when it is created, so `TransferEngine`
+sets MC_TRANSFER_TIMEOUT / MC_TCP_PROGRESS_TIMEOUT_SEC (and MC_TCP_BIND_ADDRESS in etcd
+mode) from the config before constructing the binding; the values are process-wide.
+
+Thread safety: the binding is thread-safe for transfers; registration is done by one owner.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(Exception):
+    """A transfer-engine call failed (the binding's return code is in the message)."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    protocol: str = "tcp"                  # "tcp" here; "rdma" where the hardware has it
+    metadata_server: str = "P2PHANDSHAKE"  # or "etcd://HOST:PORT", "http://HOST:PORT/metadata"
+    device_name: str = ""                  # RDMA devices, comma-separated; "" = auto
+    local_hostname: str = "127.0.0.1"      # address peers reach this node at
+    transfer_timeout_s: int = 5            # a stuck read fails after this (MC_TRANSFER_TIMEOUT)
+    progress_timeout_s: int = 2            # TCP: no progress for this long fails (MC_TCP_PROGRESS_TIMEOUT_SEC)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if not (self.metadata_server == "P2PHANDSHAKE" or self.metadata_server.startswith(("etcd://", "http://"))):
+            raise ValueError("metadata_server must be P2PHANDSHAKE, etcd://HOST:PORT or http://HOST:PORT/metadata")
+        if self.transfer_timeout_s < 1 or self.progress_timeout_s < 1:
+            raise ValueError("transfer timeouts must be >= 1 s")
+
+
+class TransferEngine:
+    """One initialized Mooncake transfer engine with the memory it registered."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(config.transfer_timeout_s)
+        os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(config.progress_timeout_s)
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if config.metadata_server != "P2PHANDSHAKE":
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+        try:
+            from mooncake.engine import TransferEngine as _Binding
+        except ImportError as err:
+            raise TransferError(
+                f"the Mooncake Transfer Engine is not importable ({err}); install kvpool[cpu] or kvpool[cuda] "
+                "and Debian libibverbs1") from None
+        self._te = _Binding()
+        rc = self._te.initialize(config.local_hostname, config.metadata_server, config.protocol, config.device_name)
+        if rc != 0:
+            raise TransferError(f"transfer engine initialize({config.local_hostname}, {config.metadata_server}, "
+                                f"{config.protocol}) returned {rc}")
+        self.session_id = f"{config.local_hostname}:{self._te.get_rpc_port()}"
+        self._registered: dict[int, int] = {}  # addr -> nbytes
+
+    # ---- memory ---------------------------------------------------------------------
+
+    def register(self, addr: int, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise TransferError(f"cannot register {nbytes} bytes")
+        rc = self._te.register_memory(addr, nbytes)
+        if rc != 0:
+            raise TransferError(f"register_memory({addr:#x}, {nbytes}) returned {rc}")
+        self._registered[addr] = nbytes
+
+    def unregister(self, addr: int) -> None:
+        if self._registered.pop(addr, None) is None:
+            return
+        rc = self._te.unregister_memory(addr)
+        if rc != 0:
+            raise TransferError(f"unregister_memory({addr:#x}) returned {rc}")
+
+    def is_registered(self, addr: int, nbytes: int) -> bool:
+        """True if [addr, addr+nbytes) lies inside one registered region."""
+        return any(base <= addr and addr + nbytes <= base + size for base, size in self._registered.items())
+
+    def close(self) -> None:
+        for addr in list(self._registered):
+            try:
+                self.unregister(addr)
+            except TransferError as err:
+                log.warning("%s", err)
+
+    # ---- reads ----------------------------------------------------------------------
+
+    def read_sync(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> None:
+        """Read remote ranges into local ones in one batch; raises TransferError on failure."""
+        rc = self._te.batch_transfer_sync_read(session, list(local), list(remote), list(lengths))
+        if rc != 0:
+            raise TransferError(f"batch read of {len(lengths)} ranges from {session} returned {rc}")
+
+    def submit_read(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
+        """Start a batched read; returns a batch id for `status`."""
+        batch = self._te.batch_transfer_async_read(session, list(local), list(remote), list(lengths))
+        if batch <= 0:
+            raise TransferError(f"submitting a read of {len(lengths)} ranges from {session} returned {batch}")
+        return batch
+
+    def status(self, batch_id: int) -> bool:
+        """True when the batch is done, False while in flight; TransferError if it failed."""
+        rc = self._te.transfer_check_status(batch_id)
+        if rc == 1:
+            return True
+        if rc == 0:
+            return False
+        raise TransferError(f"transfer batch {batch_id} {'timed out' if rc == -2 else 'failed'} ({rc})")
+
+    def wait(self, batch_id: int, timeout_s: float) -> None:
+        """Poll a batch until done; TransferError on failure or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        delay = 20e-6
+        while not self.status(batch_id):
+            if time.monotonic() > deadline:
+                raise TransferError(f"transfer batch {batch_id} not done within {timeout_s}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
