@@ -1,8 +1,7 @@
 """The binding layer over the Mooncake Transfer Engine: config in, exceptions out.
 
 Where it sits: `kvpool.pool` reads remote blocks through this module only. The binding
-returns integer codes (0 ok, negative failure; batch status 1 done, 0 pending, -1 failed,
--2 timed out); here they become `TransferError`s. Protocol (tcp, rdma), metadata mode
+returns integer codes (0 ok, negative failure); here they become `TransferError`s. Protocol (tcp, rdma), metadata mode
 (P2PHANDSHAKE, etcd://..., http://...) and device are configuration.
 
 The engine reads its timeouts from the environment when it is created, so `TransferEngine`
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -105,27 +103,16 @@ class TransferEngine:
             raise TransferError(f"batch read of {len(lengths)} ranges from {session} returned {rc}")
 
     def submit_read(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
-        """Start a batched read; returns a batch id for `status`."""
+        """Start a batched read; returns a batch id for `complete`."""
         batch = self._te.batch_transfer_async_read(session, list(local), list(remote), list(lengths))
         if batch <= 0:
             raise TransferError(f"submitting a read of {len(lengths)} ranges from {session} returned {batch}")
         return batch
 
-    def status(self, batch_id: int) -> bool:
-        """True when the batch is done, False while in flight; TransferError if it failed."""
-        rc = self._te.transfer_check_status(batch_id)
-        if rc == 1:
-            return True
-        if rc == 0:
-            return False
-        raise TransferError(f"transfer batch {batch_id} {'timed out' if rc == -2 else 'failed'} ({rc})")
-
-    def wait(self, batch_id: int, timeout_s: float) -> None:
-        """Poll a batch until done; TransferError on failure or after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        delay = 20e-6
-        while not self.status(batch_id):
-            if time.monotonic() > deadline:
-                raise TransferError(f"transfer batch {batch_id} not done within {timeout_s}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+    def complete(self, batch_id: int) -> None:
+        """Block (GIL released) until every range of the batch is done; TransferError if any
+        failed or the engine's transfer timeout passed. (The binding's transfer_check_status
+        looks at a batch's first range only, so it cannot tell a batch is complete.)"""
+        rc = self._te.get_batch_transfer_status([batch_id])
+        if rc != 0:
+            raise TransferError(f"transfer batch {batch_id} failed ({rc})")

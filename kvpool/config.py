@@ -1,0 +1,39 @@
+"""Configuration of a node's pool: one frozen dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.transfer import TransferConfig
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    node_id: str                         # stable across restarts of this node
+    pool_size_bytes: int                 # DRAM buffer shared with the cluster
+    block_bytes: int                     # payload of one KV block (all layers, K and V)
+    layout_fingerprint: str              # namespace of the blocks (model/layout)
+    metaserver: str = ""                 # HOST:PORT[,HOST:PORT]; "" = not published (local only)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    lease_ttl_s: int = 10
+    publish_batch: int = 256             # records per Publish RPC
+    publish_interval_s: float = 0.005    # the publisher flushes at least this often
+    evict_batch: int = 16                # LRU slots freed (and unpublished in one RPC) at a time
+    read_timeout_s: float = 10.0         # a read that has not finished by then fails
+    max_read_blocks: int = 4096          # blocks in flight in reads at once (header scratch)
+    rpc_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "/" in self.node_id:
+            raise ValueError("node_id must be non-empty and contain no '/'")
+        if self.block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {self.block_bytes}")
+        from kvpool.layout import slot_bytes_for
+
+        if self.pool_size_bytes < slot_bytes_for(self.block_bytes):
+            raise ValueError(f"pool_size_bytes {self.pool_size_bytes} cannot hold one {self.block_bytes}-byte block")
+        if not self.layout_fingerprint:
+            raise ValueError("layout_fingerprint is required")
+        if self.publish_batch < 1 or self.evict_batch < 1 or self.max_read_blocks < 1:
+            raise ValueError("publish_batch, evict_batch and max_read_blocks must be >= 1")
+        if self.read_timeout_s <= 0 or self.publish_interval_s <= 0:
+            raise ValueError("read_timeout_s and publish_interval_s must be > 0")

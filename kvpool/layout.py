@@ -1,0 +1,82 @@
+"""Slot layout of the node pool, sizes, and raw-memory helpers.
+
+A slot is one whole KV block (all layers, K and V) behind a 64-byte header:
+
+    offset 0   magic      u32   0x4C50564B ("KVPL"); 0 while the slot is being written
+           4   version    u16
+           6   flags      u16
+           8   generation u64   bumped on every write of the slot
+          16   payload    u64   payload bytes that follow the header
+          24   checksum   u64   xxh3-64 of the payload
+          32   hash       32 B  the block's chained prefix hash
+    offset 64  payload
+
+A reader fetches header and payload in one batch and accepts the block only if magic,
+hash, generation and checksum all match what the index promised: a slot that was evicted
+or overwritten during the read fails one of them.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = 0x4C50564B
+VERSION = 1
+HEADER = struct.Struct("<IHHQQQ32s")
+HEADER_BYTES = HEADER.size
+assert HEADER_BYTES == 64
+SLOT_ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    magic: int
+    generation: int
+    payload_bytes: int
+    checksum: int
+    block_hash: bytes
+
+    def pack(self) -> bytes:
+        return HEADER.pack(self.magic, VERSION, 0, self.generation, self.payload_bytes, self.checksum,
+                           self.block_hash.ljust(32, b"\0"))
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> SlotHeader:
+        magic, _version, _flags, gen, n, checksum, h = HEADER.unpack(raw)
+        return cls(magic, gen, n, checksum, h)
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Bytes of one slot holding a `block_bytes` payload (header included, 64-aligned)."""
+    return (HEADER_BYTES + block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def view(addr: int, nbytes: int) -> memoryview:
+    """A writable memoryview of raw memory (the caller keeps the memory alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def checksum(addr: int, nbytes: int) -> int:
+    return xxhash.xxh3_64_intdigest(view(addr, nbytes))
+
+
+def memcpy(dst: int, src: int, nbytes: int) -> None:
+    ctypes.memmove(dst, src, nbytes)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB', '512MiB', '1.5G', '4096' -> bytes (K/M/G/T are powers of 1024 with or without i)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 4GiB, 512MiB or a number of bytes")
+    value, unit = float(m.group(1)), m.group(2).upper()
+    return int(value * 1024 ** " KMGT".index(unit or " "))

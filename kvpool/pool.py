@@ -1,0 +1,266 @@
+"""A node's share of the global KV pool: a DRAM buffer of block slots, published cluster-wide.
+
+Where it sits: the connector puts newly computed blocks here and reads hit blocks through
+`get()`, straight into the engine's registered KV cache. The buffer is registered with the
+Mooncake Transfer Engine so other nodes read slots one-sidedly; the metaserver learns what
+this node holds through batched Publish calls (`kvpool.publisher`).
+
+Invariants:
+- A slot is unpublished before it is reused (eviction is synchronous with the metaserver).
+- Every read is validated against (hash, generation, checksum); a block the source evicted
+  or overwrote meanwhile is reported failed, never handed on as good.
+
+Threading: every public method is thread-safe; `self._lock` guards the slot tables.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.config import PoolConfig
+from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, memcpy, slot_bytes_for, view
+from kvpool.publisher import Publisher
+from kvpool.reader import ReadHandle, ReadItem, Scratch
+from kvpool.transfer import TransferEngine
+from metaserver.client import MetaClient, NodeSession
+from metaserver.errors import MetaError
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, NodeId, NodeRecord
+
+log = logging.getLogger(__name__)
+
+
+class PoolError(Exception):
+    """Bad use of the pool (sizes, unregistered memory, unknown nodes)."""
+
+
+@dataclass
+class PoolStats:
+    puts: int = 0             # blocks written into slots
+    evictions: int = 0        # slots freed by LRU
+    local_hits: int = 0       # blocks read from this node's own pool
+    remote_hits: int = 0      # blocks read from other nodes and validated
+    failed_reads: int = 0     # blocks whose read failed or did not validate
+    bytes_read: int = 0       # payload bytes delivered by get()
+    published: int = 0        # records acknowledged by the metaserver
+    unpublished: int = 0
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    generation: int = 0
+    block_hash: BlockHash | None = None
+
+
+class NodePool:
+    def __init__(self, config: PoolConfig, client: MetaClient | None = None) -> None:
+        self.config = config
+        self.slot_bytes = slot_bytes_for(config.block_bytes)
+        self.num_slots = config.pool_size_bytes // self.slot_bytes
+        self._mem = mmap.mmap(-1, self.num_slots * self.slot_bytes)  # page-aligned, zeroed
+        self._buf = np.frombuffer(self._mem, dtype=np.uint8)
+        self.buffer_address = self._buf.ctypes.data
+        self.capacity_bytes = self._buf.nbytes
+        self.te = TransferEngine(config.transfer)
+        self.te.register(self.buffer_address, self.capacity_bytes)
+        self._scratch = Scratch(self.te, config.max_read_blocks)
+        # Threads that wait (GIL released) for transfer batches to complete.
+        self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
+        self._lock = threading.Lock()
+        self._slots = [_Slot(i) for i in range(self.num_slots)]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._lru: OrderedDict[BlockHash, _Slot] = OrderedDict()  # oldest first
+        self.stats = PoolStats()
+        self.client = client
+        self._publisher: Publisher | None = None
+        self._session: NodeSession | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register with the metaserver and start publishing (no-op without a client)."""
+        if self.client is None:
+            return
+        self._publisher = Publisher(self.client, self.config, self._is_current, self.stats)
+        self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
+                                    self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
+                                    self.config.lease_ttl_s)
+        self._session.start()
+        self._publisher.start()
+
+    def close(self) -> None:
+        """Unregister from the metaserver, unregister all memory. Idempotent."""
+        if self._publisher is not None:
+            self._publisher.stop()
+            self._publisher = None
+        if self._session is not None:
+            self._session.stop(unregister=True)
+            self._session = None
+        self._completer.shutdown(wait=True)
+        self.te.close()
+
+    def __enter__(self) -> NodePool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def node_id(self) -> NodeId:
+        return NodeId(self.config.node_id)
+
+    def register_memory(self, addr: int, nbytes: int) -> None:
+        """Register caller memory (the engine's KV cache) as a read destination."""
+        self.te.register(addr, nbytes)
+
+    def unregister_memory(self, addr: int) -> None:
+        self.te.unregister(addr)
+
+    # ---- slots ----------------------------------------------------------------------
+
+    def _slot_addr(self, slot: _Slot) -> int:
+        return self.buffer_address + slot.index * self.slot_bytes
+
+    def _record(self, slot: _Slot) -> BlockRecord:
+        assert slot.block_hash is not None
+        return BlockRecord(slot.block_hash, slot.index * self.slot_bytes, HEADER_BYTES + self.config.block_bytes,
+                           slot.generation)
+
+    def _holdings(self) -> list[BlockRecord]:
+        with self._lock:
+            return [self._record(s) for s in self._lru.values()]
+
+    def _is_current(self, rec: BlockRecord) -> bool:
+        with self._lock:
+            slot = self._lru.get(rec.block_hash)
+            return slot is not None and slot.generation == rec.generation
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._lru
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._lru)
+
+    def lru_order(self) -> list[BlockHash]:
+        """Held blocks, least recently used first."""
+        with self._lock:
+            return list(self._lru)
+
+    def _evict(self) -> None:
+        """Free up to evict_batch LRU slots; unpublish them before they can be reused."""
+        victims = []
+        while self._lru and len(victims) < self.config.evict_batch:
+            _, slot = self._lru.popitem(last=False)
+            victims.append(slot)
+        hashes = [s.block_hash for s in victims if s.block_hash is not None]
+        if self.client is not None and hashes:
+            try:
+                self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
+            except MetaError as err:
+                # Readers still validate the generation, so a stale entry only costs a miss.
+                log.warning("node %s: unpublish of %d evicted blocks failed: %s", self.config.node_id, len(hashes), err)
+        for slot in victims:
+            slot.block_hash = None
+            self._free.append(slot.index)
+        self.stats.evictions += len(victims)
+
+    def put(self, block_hash: bytes, src_addr: int, nbytes: int) -> bool:
+        """Copy a block from `src_addr` into a slot and queue its publication.
+
+        Returns False (and copies nothing) if the block is already held. Evicts LRU slots
+        when the pool is full. Raises PoolError if the block does not fit a slot.
+        """
+        if nbytes != self.config.block_bytes:
+            raise PoolError(f"block of {nbytes} bytes does not match the pool's {self.config.block_bytes}-byte slots")
+        if len(block_hash) != 32:
+            raise PoolError(f"block hash must be 32 bytes, got {len(block_hash)}")
+        h = BlockHash(bytes(block_hash))
+        with self._lock:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+                return False
+            if not self._free:
+                self._evict()
+            slot = self._slots[self._free.pop()]
+            slot.generation += 1
+            slot.block_hash = h
+            base = self._slot_addr(slot)
+            hdr = view(base, HEADER_BYTES)
+            hdr[:4] = b"\0\0\0\0"  # not valid while being written
+            memcpy(base + HEADER_BYTES, src_addr, nbytes)
+            hdr[:] = SlotHeader(MAGIC, slot.generation, nbytes, checksum(base + HEADER_BYTES, nbytes), h).pack()
+            self._lru[h] = slot
+            self.stats.puts += 1
+            record = self._record(slot)
+        if self._publisher is not None:
+            self._publisher.enqueue(record)
+        return True
+
+    def put_bytes(self, block_hash: bytes, data: bytes | bytearray | memoryview | np.ndarray) -> bool:
+        arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        return self.put(block_hash, arr.ctypes.data, arr.nbytes)
+
+    def overwrite_for_test(self, block_hash: bytes, data: bytes) -> None:
+        """Rewrite the slot holding `block_hash` in place with a new generation (the eviction
+        race a remote reader must detect). Exposed for tests and fault drills."""
+        with self._lock:
+            slot = self._lru[BlockHash(block_hash)]
+            slot.generation += 1
+            base = self._slot_addr(slot)
+            view(base + HEADER_BYTES, len(data))[:] = data
+            view(base, HEADER_BYTES)[:] = SlotHeader(MAGIC, slot.generation, len(data),
+                                                     checksum(base + HEADER_BYTES, len(data)), slot.block_hash).pack()
+
+    # ---- reads ----------------------------------------------------------------------
+
+    def get(self, locations: Sequence[BlockLocation], nodes: dict[NodeId, NodeRecord],
+            dest_addrs: Sequence[int]) -> ReadHandle:
+        """Read each located block's payload to its destination; returns a pollable handle.
+
+        Blocks in this node's pool are copied at once; the rest are read with one transfer
+        batch per source node. Destinations must lie in memory registered with
+        `register_memory` (or this pool's own buffer). Raises PoolError for bad arguments;
+        read failures are reported by the handle as failed block indices.
+        """
+        if len(locations) != len(dest_addrs):
+            raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
+        n = self.config.block_bytes
+        for i, (loc, dst) in enumerate(zip(locations, dest_addrs)):
+            if not self.te.is_registered(dst, n):
+                raise PoolError(f"destination #{i} [{dst:#x}, +{n}) is outside registered memory")
+            if loc.node_id != self.config.node_id and loc.node_id not in nodes:
+                raise PoolError(f"block #{i} is on unknown node {loc.node_id!r}")
+            if loc.size_bytes != HEADER_BYTES + n:
+                raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {HEADER_BYTES + n}")
+        items = [ReadItem(i, loc, dst, n) for i, (loc, dst) in enumerate(zip(locations, dest_addrs))]
+        local = [it for it in items if it.location.node_id == self.config.node_id]
+        remote = [it for it in items if it.location.node_id != self.config.node_id]
+        local_ok = self._read_local(local)
+        return ReadHandle(self.te, self._completer, self._scratch, remote, nodes, local_ok, [it.index for it in local
+                                                                             if it.index not in local_ok],
+                          self.config.read_timeout_s, self.stats)
+
+    def _read_local(self, items: list[ReadItem]) -> set[int]:
+        ok = set()
+        with self._lock:
+            for it in items:
+                slot = self._lru.get(it.location.block_hash)
+                if slot is None or slot.generation != it.location.generation:
+                    continue
+                memcpy(it.dest_addr, self._slot_addr(slot) + HEADER_BYTES, it.nbytes)
+                self._lru.move_to_end(it.location.block_hash)
+                ok.add(it.index)
+        self.stats.local_hits += len(ok)
+        self.stats.bytes_read += len(ok) * self.config.block_bytes
+        self.stats.failed_reads += len(items) - len(ok)
+        return ok

@@ -1,0 +1,83 @@
+"""Asynchronous, batched publication of a node's new blocks to the metaserver.
+
+Where it sits: `NodePool.put` enqueues a record and returns; a daemon thread sends
+records in batches (at most `publish_batch`, at least every `publish_interval_s`), dropping
+those whose slot was reused meanwhile so the index never learns of an evicted block from
+us. A failed Publish is logged and dropped: the node re-publishes all it holds whenever it
+registers again, and a missing entry only costs a miss.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvpool.config import PoolConfig
+from metaserver.client import MetaClient
+from metaserver.errors import MetaError
+from metaserver.types import BlockRecord
+
+if TYPE_CHECKING:
+    from kvpool.pool import PoolStats
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, client: MetaClient, config: PoolConfig, is_current: Callable[[BlockRecord], bool],
+                 stats: PoolStats) -> None:
+        self._client = client
+        self._config = config
+        self._is_current = is_current
+        self._stats = stats
+        self._queue: queue.Queue[BlockRecord | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"publish-{config.node_id}", daemon=True)
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def enqueue(self, record: BlockRecord) -> None:
+        self._idle.clear()
+        self._queue.put(record)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything queued so far was sent (tests, shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            try:
+                while len(batch) < self._config.publish_batch:
+                    rec = self._queue.get(timeout=self._config.publish_interval_s)
+                    if rec is None:
+                        stop = True
+                        break
+                    batch.append(rec)
+            except queue.Empty:
+                pass
+            self._send([r for r in batch if self._is_current(r)])
+            if self._queue.empty():
+                self._idle.set()
+            if stop:
+                return
+
+    def _send(self, records: list[BlockRecord]) -> None:
+        if not records:
+            return
+        try:
+            self._stats.published += self._client.publish(self._config.node_id, records)
+        except MetaError as err:
+            log.warning("node %s: publish of %d blocks failed: %s", self._config.node_id, len(records), err)

@@ -1,0 +1,177 @@
+"""Validated remote reads: one transfer batch per source node, polled to completion.
+
+Each block is read as two ranges in the same batch: its 64-byte slot header into a
+registered scratch area, its payload straight into the caller's destination (the engine's
+KV cache: no staging copy). When a batch completes, each block is accepted only if the
+header's magic, hash and generation match the index's promise and the payload's checksum
+matches the header; otherwise it is reported failed and the caller recomputes it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
+from kvpool.transfer import TransferEngine, TransferError
+from metaserver.types import BlockLocation, NodeId, NodeRecord
+
+if TYPE_CHECKING:
+    from kvpool.pool import PoolStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    index: int               # position in the caller's request
+    location: BlockLocation  # where the block is and which generation was promised
+    dest_addr: int           # where its payload goes
+    nbytes: int              # payload bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    ok: tuple[int, ...]      # request indices delivered and validated
+    failed: tuple[int, ...]  # request indices to recompute
+
+
+class Scratch:
+    """Registered memory for slot headers of in-flight reads, handed out in index sets."""
+
+    def __init__(self, te: TransferEngine, num_headers: int) -> None:
+        self._buf = np.zeros(num_headers * HEADER_BYTES, dtype=np.uint8)
+        self.addr = self._buf.ctypes.data
+        te.register(self.addr, self._buf.nbytes)
+        self._free = list(range(num_headers))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if len(self._free) < n:
+                return None
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    def give(self, idx: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(idx)
+
+    def header(self, i: int) -> SlotHeader:
+        return SlotHeader.unpack(self._buf[i * HEADER_BYTES:(i + 1) * HEADER_BYTES].tobytes())
+
+
+@dataclass
+class _Batch:
+    session: str
+    items: list[ReadItem]
+    scratch: list[int]
+    done: Future[None] = field(default_factory=Future)  # set by a completion thread
+    settled: bool = False
+
+
+class ReadHandle:
+    """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe."""
+
+    def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, remote: list[ReadItem],
+                 nodes: dict[NodeId, NodeRecord], local_ok: set[int], local_failed: list[int],
+                 timeout_s: float, stats: PoolStats) -> None:
+        self._te = te
+        self._completer = completer
+        self._scratch = scratch
+        self._stats = stats
+        self._deadline = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._ok = set(local_ok)
+        self._failed = set(local_failed)
+        self._batches: list[_Batch] = []
+        self.result: ReadResult | None = None
+        by_node: dict[NodeId, list[ReadItem]] = {}
+        for it in remote:
+            by_node.setdefault(it.location.node_id, []).append(it)
+        for node_id, items in by_node.items():
+            self._submit(nodes[node_id], items)
+        self._poll()
+
+    def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
+        idx = self._scratch.take(len(items))
+        if idx is None:
+            log.warning("read scratch exhausted; %d blocks from %s fail", len(items), node.node_id)
+            self._failed.update(it.index for it in items)
+            return
+        batch = _Batch(node.session_address, items, idx)
+        local, remote, lengths = [], [], []
+        for it, s in zip(items, idx):
+            slot_addr = node.buffer_address + it.location.offset
+            local += [self._scratch.addr + s * HEADER_BYTES, it.dest_addr]
+            remote += [slot_addr, slot_addr + HEADER_BYTES]
+            lengths += [HEADER_BYTES, it.nbytes]
+        try:
+            batch_id = self._te.submit_read(node.session_address, local, remote, lengths)
+            batch.done = self._completer.submit(self._te.complete, batch_id)
+        except TransferError as err:
+            log.warning("read from node %s: %s", node.node_id, err)
+            batch.done.set_exception(err)
+        self._batches.append(batch)
+
+    def _settle(self, batch: _Batch, ok: bool) -> None:
+        batch.settled = True
+        for it, s in zip(batch.items, batch.scratch):
+            if ok and self._valid(it, s):
+                self._ok.add(it.index)
+            else:
+                self._failed.add(it.index)
+        if ok:
+            self._scratch.give(batch.scratch)
+        # A failed or timed-out batch may still land later: its scratch is not reused.
+
+    def _valid(self, it: ReadItem, scratch_index: int) -> bool:
+        h = self._scratch.header(scratch_index)
+        loc = it.location
+        return (h.magic == MAGIC and h.block_hash == loc.block_hash and h.generation == loc.generation
+                and h.payload_bytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == h.checksum)
+
+    def _poll(self) -> None:
+        expired = time.monotonic() > self._deadline
+        for b in self._batches:
+            if b.settled:
+                continue
+            if b.done.done():
+                err = b.done.exception()
+                if err is not None:
+                    log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, err)
+                self._settle(b, err is None)
+            elif expired:
+                log.warning("read of %d blocks from %s timed out", len(b.items), b.session)
+                self._settle(b, False)
+        if all(b.settled for b in self._batches) and self.result is None:
+            for b in self._batches:
+                good = sum(1 for it in b.items if it.index in self._ok)
+                self._stats.remote_hits += good
+                self._stats.failed_reads += len(b.items) - good
+                self._stats.bytes_read += sum(it.nbytes for it in b.items if it.index in self._ok)
+            self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
+
+    def done(self) -> bool:
+        with self._lock:
+            if self.result is None:
+                self._poll()
+            return self.result is not None
+
+    def wait(self, timeout_s: float | None = None) -> ReadResult:
+        """Block until every block is delivered or failed."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        delay = 20e-6
+        while not self.done():
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError("read not finished")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        assert self.result is not None
+        return self.result
