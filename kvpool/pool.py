@@ -113,6 +113,10 @@ class NodePool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def flush_publishes(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every block put so far was sent to the metaserver."""
+        return self._publisher is None or self._publisher.flush(timeout_s)
+
     @property
     def node_id(self) -> NodeId:
         return NodeId(self.config.node_id)

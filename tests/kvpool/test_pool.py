@@ -1,0 +1,244 @@
+"""The node pool with the real transfer engine, a real metaserver and etcd."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool import NodePool, PoolConfig, PoolError, TransferConfig
+from kvpool.layout import HEADER_BYTES, parse_size, slot_bytes_for
+from metaserver.client import MetaClient
+from metaserver.errors import NotFound
+from metaserver.launch import MetaserverProcess
+from metaserver.types import BlockLocation, NodeId
+from tests.conftest import wait_for
+from tests.kvpool.pool_node import block_content, block_hash
+
+NS = "test-ns"
+BB = 64 * 1024
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_pool(ms: MetaserverProcess, node_id: str, num_blocks: int, **kw) -> NodePool:
+    cfg = PoolConfig(node_id, num_blocks * slot_bytes_for(BB), BB, NS, ms.address, **kw)
+    pool = NodePool(cfg, MetaClient(ms.address))
+    pool.start()
+    return pool
+
+
+@pytest.fixture
+def two_pools(metaserver: MetaserverProcess) -> Iterator[tuple[NodePool, NodePool]]:
+    a = make_pool(metaserver, "A", 32)
+    b = make_pool(metaserver, "B", 32)
+    yield a, b
+    b.close()
+    a.close()
+
+
+def fill(pool: NodePool, n: int, seed: str = "chain") -> list[bytes]:
+    hashes = [block_hash(seed, i) for i in range(n)]
+    for h in hashes:
+        assert pool.put_bytes(h, block_content(h, BB))
+    assert pool.flush_publishes()
+    return hashes
+
+
+def read_into(pool: NodePool, client: MetaClient, hashes: list[bytes], dest: np.ndarray, requester: str = ""):
+    r = client.query_prefix(NS, hashes, requester)
+    handle = pool.get(r.locations, r.nodes, [dest.ctypes.data + i * BB for i in range(r.num_matched)])
+    return r, handle.wait(timeout_s=60)
+
+
+def test_sizes() -> None:
+    assert parse_size("4GiB") == 4 << 30 and parse_size("512M") == 512 << 20 and parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="cannot parse size"):
+        parse_size("lots")
+    assert slot_bytes_for(BB) == BB + HEADER_BYTES
+    with pytest.raises(ValueError, match="cannot hold one"):
+        PoolConfig("x", 100, BB, NS)
+
+
+def test_put_on_a_get_on_b_in_one_process(two_pools, metaserver: MetaserverProcess) -> None:
+    a, b = two_pools
+    hashes = fill(a, 20)
+    dest = np.zeros(20 * BB, dtype=np.uint8)
+    b.register_memory(dest.ctypes.data, dest.nbytes)
+    with MetaClient(metaserver.address) as c:
+        r, res = read_into(b, c, hashes, dest, requester="B")
+    assert r.num_matched == 20 and set(r.nodes) == {"A"}
+    assert res.failed == () and len(res.ok) == 20
+    for i, h in enumerate(hashes):
+        assert np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB))
+    assert b.stats.remote_hits == 20 and b.stats.bytes_read == 20 * BB
+    assert a.stats.puts == 20 and a.stats.published == 20
+
+
+def test_own_blocks_are_copied_locally(two_pools, metaserver: MetaserverProcess) -> None:
+    a, _ = two_pools
+    hashes = fill(a, 4)
+    dest = np.zeros(4 * BB, dtype=np.uint8)
+    a.register_memory(dest.ctypes.data, dest.nbytes)
+    with MetaClient(metaserver.address) as c:
+        r, res = read_into(a, c, hashes, dest, requester="A")
+    assert set(r.nodes) == {"A"} and len(res.ok) == 4
+    assert a.stats.local_hits == 4 and a.stats.remote_hits == 0
+    assert np.array_equal(dest[:BB], block_content(hashes[0], BB))
+
+
+def test_overwritten_slot_is_reported_failed(two_pools, metaserver: MetaserverProcess) -> None:
+    a, b = two_pools
+    hashes = fill(a, 8)
+    dest = np.zeros(8 * BB, dtype=np.uint8)
+    b.register_memory(dest.ctypes.data, dest.nbytes)
+    with MetaClient(metaserver.address) as c:
+        r = c.query_prefix(NS, hashes)
+        a.overwrite_for_test(hashes[3], bytes(BB))  # the index still promises generation 1
+        res = b.get(r.locations, r.nodes, [dest.ctypes.data + i * BB for i in range(8)]).wait(60)
+        assert res.failed == (3,)
+        # Concurrent: the source keeps rewriting block 5 while B reads it again and again.
+        stop = threading.Event()
+
+        def writer() -> None:
+            k = 0
+            while not stop.is_set():
+                a.overwrite_for_test(hashes[5], bytes([k % 256]) * BB)
+                k += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            for _ in range(20):
+                res = b.get(r.locations, r.nodes, [dest.ctypes.data + i * BB for i in range(8)]).wait(60)
+                assert 5 in res.failed and 3 in res.failed
+                assert set(res.ok) == {0, 1, 2, 4, 6, 7}
+        finally:
+            stop.set()
+            t.join()
+    assert np.array_equal(dest[7 * BB:], block_content(hashes[7], BB))
+
+
+def test_full_pool_evicts_lru_and_unpublishes(metaserver: MetaserverProcess) -> None:
+    pool = make_pool(metaserver, "small", 8, evict_batch=2)
+    try:
+        hashes = fill(pool, 8)
+        # Touch block 0 and 1 so 2 and 3 are the least recently used.
+        assert not pool.put_bytes(hashes[0], block_content(hashes[0], BB))
+        assert not pool.put_bytes(hashes[1], block_content(hashes[1], BB))
+        assert pool.lru_order()[:2] == [hashes[2], hashes[3]]
+        extra = fill(pool, 1, seed="extra")
+        assert pool.stats.evictions == 2 and len(pool) == 7
+        assert hashes[2] not in pool and hashes[3] not in pool and hashes[0] in pool and extra[0] in pool
+        with MetaClient(metaserver.address) as c:
+            assert c.query_prefix(NS, [hashes[2]]).num_matched == 0
+            assert c.query_prefix(NS, [hashes[3]]).num_matched == 0
+            assert c.query_prefix(NS, [hashes[0], hashes[1]]).num_matched == 2
+            assert c.query_prefix(NS, extra).num_matched == 1
+    finally:
+        pool.close()
+
+
+def test_bad_input(two_pools, metaserver: MetaserverProcess) -> None:
+    a, b = two_pools
+    hashes = fill(a, 2)
+    with pytest.raises(PoolError, match="does not match"):
+        a.put_bytes(block_hash("x", 0), np.zeros(BB + 1, dtype=np.uint8))
+    unregistered = np.zeros(2 * BB, dtype=np.uint8)
+    with MetaClient(metaserver.address) as c:
+        r = c.query_prefix(NS, hashes)
+    with pytest.raises(PoolError, match="outside registered memory"):
+        b.get(r.locations, r.nodes, [unregistered.ctypes.data, unregistered.ctypes.data + BB])
+    dest = np.zeros(2 * BB, dtype=np.uint8)
+    b.register_memory(dest.ctypes.data, dest.nbytes)
+    with pytest.raises(PoolError, match="outside registered memory"):
+        b.get(r.locations[:1], r.nodes, [dest.ctypes.data + BB + 1])  # runs past the end
+    ghost = BlockLocation(r.locations[0].block_hash, NodeId("ghost"), 0, BB + HEADER_BYTES, 1)
+    with pytest.raises(PoolError, match="unknown node 'ghost'"):
+        b.get([ghost], r.nodes, [dest.ctypes.data])
+    assert b.stats.failed_reads == 0 and len(b) == 0
+
+
+def start_node(ms: MetaserverProcess, node_id: str, blocks: int, block_bytes: int = BB) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvpool.pool_node", "--metaserver", ms.address,
+                             "--node-id", node_id, "--blocks", str(blocks), "--block-bytes", str(block_bytes)],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+@pytest.mark.slow
+def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess) -> None:
+    big = 1 << 20
+    proc = start_node(metaserver, "src", 48, big)
+    timeout = TransferConfig(transfer_timeout_s=2, progress_timeout_s=1)
+    cfg = PoolConfig("dst", 4 * slot_bytes_for(big), big, NS, metaserver.address, transfer=timeout, read_timeout_s=8)
+    pool = NodePool(cfg, MetaClient(metaserver.address))
+    pool.start()
+    try:
+        hashes = [block_hash("chain", i) for i in range(48)]
+        dest = np.zeros(48 * big, dtype=np.uint8)
+        pool.register_memory(dest.ctypes.data, dest.nbytes)
+        with MetaClient(metaserver.address) as c:
+            r = c.query_prefix(NS, hashes)
+        assert r.num_matched == 48
+        addrs = [dest.ctypes.data + i * big for i in range(48)]
+        res = pool.get(r.locations, r.nodes, addrs).wait(60)
+        assert res.failed == ()
+        assert np.array_equal(dest[5 * big:6 * big], block_content(hashes[5], big))
+
+        # Frozen source: the read fails within the configured bound instead of hanging.
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        res = pool.get(r.locations, r.nodes, addrs).wait(cfg.read_timeout_s + 10)
+        frozen_s = time.monotonic() - t0
+        assert len(res.failed) == 48
+        os.kill(proc.pid, signal.SIGCONT)
+
+        # Killed mid-read: start a read, SIGKILL the source, the read reports failures.
+        handle = pool.get(r.locations, r.nodes, addrs)
+        proc.kill()
+        res = handle.wait(cfg.read_timeout_s + 10)
+        assert len(res.failed) + len(res.ok) == 48
+        res = pool.get(r.locations, r.nodes, addrs).wait(cfg.read_timeout_s + 10)
+        assert len(res.failed) == 48  # the source is gone
+        print(f"frozen source failed after {frozen_s:.2f}s")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+        pool.close()
+
+
+@pytest.mark.slow
+def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver_factory) -> None:
+    ms = metaserver_factory()
+    pool = make_pool(ms, "life", 8, lease_ttl_s=1)
+    try:
+        hashes = fill(pool, 5)
+        port = ms.port
+        ms.kill()
+        time.sleep(2.5)  # the lease runs out while no metaserver relays keepalives
+        ms2 = metaserver_factory(port=port)
+        with MetaClient(ms2.address) as c:
+            def matched() -> int:
+                try:
+                    return c.query_prefix(NS, hashes).num_matched
+                except NotFound:  # until the node registers again, its namespace is unknown
+                    return -1
+
+            wait_for(lambda: matched() == 5, timeout_s=15)
+            node = next(n for n, k in c.list_nodes() if n.node_id == "life")
+            assert node.session_address == pool.te.session_id and node.buffer_address == pool.buffer_address
+            pool.close()
+            assert "life" not in {n.node_id for n, _ in c.list_nodes()}
+            assert c.stats().index.num_copies == 0
+    finally:
+        pool.close()
