@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -55,8 +56,11 @@ class MetaClient:
         if not self.endpoints:
             raise ValueError("no metaserver endpoint given (HOST:PORT[,HOST:PORT])")
         self.timeout_s = timeout_s
-        self._channels = [grpc.insecure_channel(ep, options=[("grpc.max_reconnect_backoff_ms", 1000)])
-                          for ep in self.endpoints]
+        # A local subchannel pool: a channel must not inherit another channel's reconnect
+        # backoff to the same address (it would fail fast for up to a second after a restart).
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.insecure_channel(ep, options=options) for ep in self.endpoints]
         self._stubs = [pb_grpc.MetaServiceStub(ch) for ch in self._channels]
         self._current = 0
         self._lock = threading.Lock()
@@ -72,26 +76,35 @@ class MetaClient:
         self.close()
 
     def _rpc(self, method: str, request: object, timeout_s: float | None = None) -> T:  # type: ignore[type-var]
-        """Call `method`, failing over across endpoints on UNAVAILABLE / DEADLINE_EXCEEDED."""
+        """Call `method` within one deadline. A replica that is unreachable is skipped for the
+        next endpoint; when none answers, rounds repeat (briefly spaced) until the deadline."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         with self._lock:
             start = self._current
         last: grpc.RpcError | None = None
-        for i in range(len(self._stubs)):
-            idx = (start + i) % len(self._stubs)
-            try:
-                resp = getattr(self._stubs[idx], method)(request, timeout=timeout_s or self.timeout_s)
-            except grpc.RpcError as err:
-                if err.code() not in _FAILOVER_CODES:
-                    raise from_rpc_error(err) from None
-                last = err
-                continue
-            if idx != start:
-                with self._lock:
-                    self._current = idx
-                log.info("metaserver client: failed over to %s", self.endpoints[idx])
-            return resp
-        assert last is not None
-        raise Unavailable(f"no metaserver reachable at {','.join(self.endpoints)}: {last.details()}")
+        while True:
+            for i in range(len(self._stubs)):
+                idx = (start + i) % len(self._stubs)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    resp = getattr(self._stubs[idx], method)(request, timeout=remaining)
+                except grpc.RpcError as err:
+                    if err.code() not in _FAILOVER_CODES:
+                        raise from_rpc_error(err) from None
+                    last = err
+                    continue
+                if idx != start:
+                    with self._lock:
+                        self._current = idx
+                    log.info("metaserver client: now using %s", self.endpoints[idx])
+                return resp
+            if time.monotonic() + 0.05 >= deadline:
+                break
+            time.sleep(0.05)
+        details = last.details() if last is not None else "deadline exceeded"
+        raise Unavailable(f"no metaserver reachable at {','.join(self.endpoints)}: {details}")
 
     # ---- node lifecycle -------------------------------------------------------------
 
