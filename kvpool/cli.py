@@ -52,11 +52,12 @@ def _run_metaserver(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import metaserver_bench
+    from kvpool_bench import metaserver_bench, transfer_bench
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     metaserver_bench.add_parser(benches)
+    transfer_bench.add_parser(benches)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import metaserver_bench
+        from kvpool_bench import metaserver_bench, transfer_bench
 
-        return metaserver_bench.main(args)
+        return {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main}[args.bench_cmd](args)
     if args.cmd == "demo":
         from kvpool_bench import demo
 

@@ -228,20 +228,24 @@ class NodePool:
     # ---- reads ----------------------------------------------------------------------
 
     def get(self, locations: Sequence[BlockLocation], nodes: dict[NodeId, NodeRecord],
-            dest_addrs: Sequence[int]) -> ReadHandle:
+            dest_addrs: Sequence[int], header_room: bool = False) -> ReadHandle:
         """Read each located block's payload to its destination; returns a pollable handle.
 
         Blocks in this node's pool are copied at once; the rest are read with one transfer
         batch per source node. Destinations must lie in memory registered with
-        `register_memory` (or this pool's own buffer). Raises PoolError for bad arguments;
+        `register_memory`. With `header_room`, the HEADER_BYTES before each destination are
+        the caller's scratch (a cache laid out in slot strides): each block is then read as
+        one contiguous range, header and payload together; otherwise the header goes to a
+        separate scratch area (two ranges per block). Raises PoolError for bad arguments;
         read failures are reported by the handle as failed block indices.
         """
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
+        pre = HEADER_BYTES if header_room else 0
         for i, (loc, dst) in enumerate(zip(locations, dest_addrs)):
-            if not self.te.is_registered(dst, n):
-                raise PoolError(f"destination #{i} [{dst:#x}, +{n}) is outside registered memory")
+            if not self.te.is_registered(dst - pre, n + pre):
+                raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
             if loc.node_id != self.config.node_id and loc.node_id not in nodes:
                 raise PoolError(f"block #{i} is on unknown node {loc.node_id!r}")
             if loc.size_bytes != HEADER_BYTES + n:
@@ -250,9 +254,9 @@ class NodePool:
         local = [it for it in items if it.location.node_id == self.config.node_id]
         remote = [it for it in items if it.location.node_id != self.config.node_id]
         local_ok = self._read_local(local)
-        return ReadHandle(self.te, self._completer, self._scratch, remote, nodes, local_ok, [it.index for it in local
-                                                                             if it.index not in local_ok],
-                          self.config.read_timeout_s, self.stats)
+        return ReadHandle(self.te, self._completer, self._scratch, remote, nodes, local_ok,
+                          [it.index for it in local if it.index not in local_ok], self.config.read_timeout_s,
+                          self.stats, header_room)
 
     def _read_local(self, items: list[ReadItem]) -> set[int]:
         ok = set()

@@ -1,8 +1,10 @@
 """Validated remote reads: one transfer batch per source node, polled to completion.
 
-Each block is read as two ranges in the same batch: its 64-byte slot header into a
-registered scratch area, its payload straight into the caller's destination (the engine's
-KV cache: no staging copy). When a batch completes, each block is accepted only if the
+Each block's payload goes straight into the caller's destination (the engine's KV cache:
+no staging copy). Its 64-byte slot header comes along in the same batch: as part of one
+contiguous range when the caller left header room before each destination (a cache in
+slot strides), else as a second range into a registered scratch area.
+When a batch completes, each block is accepted only if the
 header's magic, hash and generation match the index's promise and the payload's checksum
 matches the header; otherwise it is reported failed and the caller recomputes it.
 """
@@ -13,12 +15,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
+from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, view
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -44,6 +47,10 @@ class ReadResult:
 
 class Scratch:
     """Registered memory for slot headers of in-flight reads, handed out in index sets."""
+
+    @staticmethod
+    def at(addr: int) -> SlotHeader:
+        return SlotHeader.unpack(view(addr, HEADER_BYTES).tobytes())
 
     def __init__(self, te: TransferEngine, num_headers: int) -> None:
         self._buf = np.zeros(num_headers * HEADER_BYTES, dtype=np.uint8)
@@ -81,8 +88,9 @@ class ReadHandle:
 
     def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, remote: list[ReadItem],
                  nodes: dict[NodeId, NodeRecord], local_ok: set[int], local_failed: list[int],
-                 timeout_s: float, stats: PoolStats) -> None:
+                 timeout_s: float, stats: PoolStats, header_room: bool = False) -> None:
         self._te = te
+        self._header_room = header_room
         self._completer = completer
         self._scratch = scratch
         self._stats = stats
@@ -100,18 +108,26 @@ class ReadHandle:
         self._poll()
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
-        idx = self._scratch.take(len(items))
-        if idx is None:
-            log.warning("read scratch exhausted; %d blocks from %s fail", len(items), node.node_id)
-            self._failed.update(it.index for it in items)
-            return
-        batch = _Batch(node.session_address, items, idx)
         local, remote, lengths = [], [], []
-        for it, s in zip(items, idx):
-            slot_addr = node.buffer_address + it.location.offset
-            local += [self._scratch.addr + s * HEADER_BYTES, it.dest_addr]
-            remote += [slot_addr, slot_addr + HEADER_BYTES]
-            lengths += [HEADER_BYTES, it.nbytes]
+        if self._header_room:
+            idx: list[int] = []
+            for it in items:
+                local.append(it.dest_addr - HEADER_BYTES)
+                remote.append(node.buffer_address + it.location.offset)
+                lengths.append(HEADER_BYTES + it.nbytes)
+        else:
+            taken = self._scratch.take(len(items))
+            if taken is None:
+                log.warning("read scratch exhausted; %d blocks from %s fail", len(items), node.node_id)
+                self._failed.update(it.index for it in items)
+                return
+            idx = taken
+            for it, s in zip(items, idx):
+                slot_addr = node.buffer_address + it.location.offset
+                local += [self._scratch.addr + s * HEADER_BYTES, it.dest_addr]
+                remote += [slot_addr, slot_addr + HEADER_BYTES]
+                lengths += [HEADER_BYTES, it.nbytes]
+        batch = _Batch(node.session_address, items, idx)
         try:
             batch_id = self._te.submit_read(node.session_address, local, remote, lengths)
             batch.done = self._completer.submit(self._te.complete, batch_id)
@@ -122,7 +138,8 @@ class ReadHandle:
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         batch.settled = True
-        for it, s in zip(batch.items, batch.scratch):
+        scratch: list[int | None] = list(batch.scratch) if batch.scratch else [None] * len(batch.items)
+        for it, s in zip(batch.items, scratch):
             if ok and self._valid(it, s):
                 self._ok.add(it.index)
             else:
@@ -131,8 +148,8 @@ class ReadHandle:
             self._scratch.give(batch.scratch)
         # A failed or timed-out batch may still land later: its scratch is not reused.
 
-    def _valid(self, it: ReadItem, scratch_index: int) -> bool:
-        h = self._scratch.header(scratch_index)
+    def _valid(self, it: ReadItem, scratch_index: int | None) -> bool:
+        h = self._scratch.header(scratch_index) if scratch_index is not None else Scratch.at(it.dest_addr - HEADER_BYTES)
         loc = it.location
         return (h.magic == MAGIC and h.block_hash == loc.block_hash and h.generation == loc.generation
                 and h.payload_bytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == h.checksum)
@@ -165,13 +182,15 @@ class ReadHandle:
             return self.result is not None
 
     def wait(self, timeout_s: float | None = None) -> ReadResult:
-        """Block until every block is delivered or failed."""
+        """Block until every block is delivered or failed (TimeoutError after `timeout_s`)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
-        delay = 20e-6
         while not self.done():
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError("read not finished")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            pending = [b.done for b in self._batches if not b.settled]
+            limit = self._deadline - time.monotonic()
+            if end is not None:
+                if time.monotonic() > end:
+                    raise TimeoutError("read not finished")
+                limit = min(limit, end - time.monotonic())
+            futures_wait(pending, timeout=max(limit, 0.0) + 1e-3)
         assert self.result is not None
         return self.result

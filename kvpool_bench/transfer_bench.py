@@ -1,0 +1,194 @@
+"""`kvpool bench transfer`: cross-process block reads, our get path against the physical limits.
+
+One run, same bytes, same machine, a source process and this reader process:
+- kvpool get: `NodePool.get` (TE batch per source, header + payload, validation);
+- raw TE: the transfer engine's batched read of the same payload ranges, no pool logic;
+- TCP: one Python socket stream of the same bytes (loopback without any engine);
+- memcpy: an in-process copy of the same bytes (the memory limit);
+- Mooncake Store: `mooncake_master` + `MooncakeDistributedStore.batch_get_into` of the same
+  blocks (a peer system).
+Block sizes 64 KiB .. 4 MiB, chains of 1 .. 256 blocks (capped at --max-bytes per chain).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
+from kvpool.layout import HEADER_BYTES
+from kvpool_bench.transfer_source import block_hash
+from metaserver.client import MetaClient
+from metaserver.launch import EtcdProcess, MetaserverProcess, free_port
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("transfer", help="block read throughput vs raw TE, TCP, memcpy and Mooncake Store")
+    p.add_argument("--sizes", default="64KiB,256KiB,1MiB,4MiB")
+    p.add_argument("--chains", default="1,16,64,256")
+    p.add_argument("--max-bytes", default="256MiB", help="largest chain in bytes")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (median reported)")
+    p.add_argument("--no-store", action="store_true", help="skip Mooncake Store")
+    p.add_argument("--split-header", action="store_true",
+                   help="read slot headers as separate ranges (destinations without header room)")
+    p.add_argument("--out", default="runs/bench-transfer.json")
+
+
+def timed(fn: Callable[[], None], repeat: int) -> float:
+    fn()  # warm-up: connections, page faults
+    runs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs)
+
+
+def start_master(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    exe = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    log = open(tmp / "mooncake_master.log", "wb")
+    proc = subprocess.Popen([exe, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
+                             f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
+                             f"--metrics_port={metrics}"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), 0.2).close()
+            socket.create_connection(("127.0.0.1", http), 0.2).close()
+            return proc, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"mooncake_master did not start; see {tmp / 'mooncake_master.log'}")
+
+
+class TcpReader:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def read(self, dest: memoryview) -> None:
+        self.sock.sendall(struct.pack("<Q", len(dest)))
+        got = 0
+        while got < len(dest):
+            got += self.sock.recv_into(dest[got:])
+
+
+def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    chains = [int(c) for c in args.chains.split(",")]
+    max_bytes = parse_size(args.max_bytes)
+    counts = [min(max(chains), max_bytes // s) for s in sizes]
+    rows = []
+    with EtcdProcess(tmp / "etcd") as etcd, MetaserverProcess(etcd.endpoint, tmp / "ms.log", log_level="WARNING") as ms:
+        master = None
+        store_args: list[str] = []
+        if not args.no_store:
+            master, master_addr, meta = start_master(tmp)
+            store_args = ["--store-master", master_addr, "--store-metadata", meta]
+        src = subprocess.Popen([sys.executable, "-m", "kvpool_bench.transfer_source", "--metaserver", ms.address,
+                                "--sizes", ",".join(map(str, sizes)), "--blocks", ",".join(map(str, counts)),
+                                *store_args], stdout=subprocess.PIPE, text=True)
+        try:
+            assert src.stdout is not None
+            info = json.loads(src.stdout.readline())
+            store = None
+            # Destinations in slot strides, as the engine's cache is laid out: kvpool reads header
+            # and payload as one range; the others move only the payload to the same addresses.
+            dest = np.empty(max(slot_bytes_for(s) * n for s, n in zip(sizes, counts)), dtype=np.uint8)
+            local_src = np.random.default_rng(1).integers(0, 255, size=dest.nbytes, dtype=np.uint8)
+            if info["store"]:
+                from mooncake.store import MooncakeDistributedStore
+
+                store = MooncakeDistributedStore()
+                if store.setup("127.0.0.1", meta, 16 << 20, 16 << 20, "tcp", "", master_addr) != 0:
+                    raise RuntimeError("Mooncake Store setup failed in the reader")
+                store.register_buffer(dest.ctypes.data, dest.nbytes)
+            tcp = TcpReader(info["tcp_port"])
+            client = MetaClient(ms.address)
+            for size, n in zip(sizes, counts):
+                reader = NodePool(PoolConfig(f"reader-{size}", slot_bytes_for(size), size, f"bench-{size}"))
+                reader.register_memory(dest.ctypes.data, dest.nbytes)
+                hashes = [block_hash(size, i) for i in range(n)]
+                q = client.query_prefix(f"bench-{size}", hashes)
+                assert q.num_matched == n, (q.num_matched, n)
+                node = q.nodes[q.locations[0].node_id]
+                for chain in [c for c in chains if c <= n]:
+                    nbytes = chain * size
+                    dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in range(chain)]
+                    locs = q.locations[:chain]
+
+                    def ours() -> None:
+                        res = reader.get(locs, q.nodes, dests, header_room=not args.split_header).wait(60)
+                        if res.failed:
+                            raise RuntimeError(f"{len(res.failed)} blocks failed")
+
+                    def raw_te() -> None:
+                        reader.te.read_sync(node.session_address, dests,
+                                            [node.buffer_address + loc.offset + HEADER_BYTES for loc in locs],
+                                            [size] * chain)
+
+                    def store_get() -> None:
+                        assert store is not None
+                        rcs = store.batch_get_into([f"b{size}-{i}" for i in range(chain)], dests, [size] * chain)
+                        if any(rc != size for rc in rcs):
+                            raise RuntimeError(f"Mooncake Store get returned {set(rcs)}")
+
+                    cell = {"block_bytes": size, "chain": chain, "bytes": nbytes}
+                    for name, fn in (("kvpool_get", ours), ("raw_te", raw_te),
+                                     ("tcp", lambda: tcp.read(memoryview(dest)[:nbytes])),
+                                     ("memcpy", lambda: np.copyto(dest[:nbytes], local_src[:nbytes])),
+                                     *((("mooncake_store", store_get),) if store is not None else ())):
+                        cell[f"{name}_s"] = timed(fn, args.repeat)
+                        cell[f"{name}_GBps"] = nbytes / cell[f"{name}_s"] / 1e9
+                    rows.append(cell)
+                    print_row(cell, header=len(rows) == 1)
+                reader.close()
+            if store is not None:
+                store.close()
+            client.close()
+        finally:
+            src.terminate()
+            src.wait(30)
+            if master is not None:
+                master.terminate()
+                master.wait(30)
+    return rows
+
+
+COLS = ("kvpool_get", "raw_te", "tcp", "memcpy", "mooncake_store")
+
+
+def print_row(c: dict, header: bool) -> None:
+    if header:
+        print(f"{'block':>8} {'chain':>5} {'MiB':>6} | {'kvpool get':>10} {'raw TE':>7} {'TCP':>6} {'memcpy':>7} "
+              f"{'MC Store':>8} | {'get/raw':>7} {'get/store':>9} {'get p50':>8}")
+        print(f"{'':>8} {'':>5} {'':>6} | {'GB/s':>10} {'GB/s':>7} {'GB/s':>6} {'GB/s':>7} {'GB/s':>8} | "
+              f"{'':>7} {'':>9} {'ms':>8}")
+    vals = [c.get(f"{k}_GBps", float("nan")) for k in COLS]
+    store_ratio = c["kvpool_get_GBps"] / c["mooncake_store_GBps"] if "mooncake_store_GBps" in c else float("nan")
+    print(f"{c['block_bytes'] // 1024:>6}Ki {c['chain']:>5} {c['bytes'] / 2**20:>6.1f} | {vals[0]:>10.2f} {vals[1]:>7.2f} "
+          f"{vals[2]:>6.2f} {vals[3]:>7.2f} {vals[4]:>8.2f} | {c['kvpool_get_GBps'] / c['raw_te_GBps']:>7.0%} "
+          f"{store_ratio:>9.0%} {c['kvpool_get_s'] * 1e3:>8.3f}", flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-transfer-") as tmp:
+        rows = run(args, Path(tmp))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=2))
+    print(f"\nreport: {out}")
+    return 0
