@@ -66,7 +66,8 @@ def main() -> int:
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1", args.store_metadata, sum(s * n for s, n in zip(sizes, counts)) + (64 << 20),
+        # Twice the data: the master evicts objects above its high watermark.
+        rc = store.setup("127.0.0.1", args.store_metadata, 2 * sum(s * n for s, n in zip(sizes, counts)) + (256 << 20),
                          64 << 20, "tcp", "", args.store_master)
         if rc != 0:
             print(f"error: Mooncake Store setup returned {rc}", file=sys.stderr)

@@ -242,3 +242,22 @@ def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver
             assert c.stats().index.num_copies == 0
     finally:
         pool.close()
+
+
+def test_reads_into_slot_strided_memory_one_range_per_block(two_pools, metaserver: MetaserverProcess) -> None:
+    a, b = two_pools
+    hashes = fill(a, 6)
+    stride = slot_bytes_for(BB)
+    dest = np.zeros(6 * stride, dtype=np.uint8)
+    b.register_memory(dest.ctypes.data, dest.nbytes)
+    addrs = [dest.ctypes.data + i * stride + HEADER_BYTES for i in range(6)]
+    with MetaClient(metaserver.address) as c:
+        r = c.query_prefix(NS, hashes)
+    res = b.get(r.locations, r.nodes, addrs, header_room=True).wait(60)
+    assert res.failed == ()
+    for i, h in enumerate(hashes):
+        assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
+    a.overwrite_for_test(hashes[2], bytes(BB))
+    assert b.get(r.locations, r.nodes, addrs, header_room=True).wait(60).failed == (2,)
+    with pytest.raises(PoolError, match="outside registered memory"):
+        b.get(r.locations[:1], r.nodes, [dest.ctypes.data], header_room=True)  # no room before it
