@@ -1,0 +1,66 @@
+"""The paged KV cache in a block-contiguous layout that the node pool can move whole.
+
+One block = all layers' K and V for `block_size` tokens, contiguous:
+    payload[layer][k=0|v=1][token][kv_head][head_dim]
+Blocks sit in slot strides: each payload is preceded by HEADER_BYTES of room, so a block
+read from the pool (header + payload as one transfer) lands in place and the header is
+checked where it landed. The whole cache is one uint8 buffer the pool can register.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.layout import HEADER_BYTES, slot_bytes_for
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int          # tokens per block
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block (all layers, K and V)."""
+        elem = torch.finfo(self.dtype).bits // 8
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class PagedKVCache:
+    def __init__(self, layout: CacheLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.slot_bytes = slot_bytes_for(layout.block_bytes)
+        self.raw = torch.zeros(num_blocks, self.slot_bytes, dtype=torch.uint8)
+        payload = self.raw[:, HEADER_BYTES:HEADER_BYTES + layout.block_bytes].view(layout.dtype)
+        # [block, layer, k/v, token, kv_head, head_dim]
+        self.blocks = payload.view(num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                                   layout.head_dim)
+
+    @property
+    def base_address(self) -> int:
+        return self.raw.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def payload_address(self, block_id: int) -> int:
+        """Address of a block's payload (HEADER_BYTES of room precede it)."""
+        return self.base_address + block_id * self.slot_bytes + HEADER_BYTES
+
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store new tokens' K and V ([n, kv_heads, head_dim]) at (block, offset) slots."""
+        self.blocks[block_ids, layer, 0, offsets] = k
+        self.blocks[block_ids, layer, 1, offsets] = v
+
+    def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `num_tokens` tokens along a block table: [num_tokens, kv_heads, head_dim]."""
+        kv = self.blocks[block_ids, layer]  # [nblk, 2, bs, kvh, hd]
+        kv = kv.transpose(0, 1).reshape(2, -1, self.layout.num_kv_heads, self.layout.head_dim)
+        return kv[0, :num_tokens], kv[1, :num_tokens]

