@@ -1,0 +1,144 @@
+"""The engine loop: add requests, `step()` = schedule -> run the model -> update -> outputs.
+
+    out = scheduler.schedule()
+    sampled = runner.execute(out)
+    finished = self._postprocess(out, sampled)
+
+Not thread-safe: one thread drives it (the HTTP server runs it in its own loop thread).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache import CacheLayout, PagedKVCache
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import LoadedModel, load_model
+from engine.model import LlamaModel
+from engine.outputs import RequestOutput, check_stop, make_output
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request cannot be served (the message is for the client)."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_attention(backend: str, device: torch.device):  # noqa: ANN201
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        from engine.attention.triton_backend import paged_attention as triton_attention
+
+        return triton_attention
+    from engine.attention.torch_backend import paged_attention
+
+    return paged_attention
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        loaded = loaded or load_model(config.model)
+        self.model_config = mc = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.served_model_name or mc.name
+        dtype = getattr(torch, config.dtype)
+        self.device = pick_device(config.device)
+        self.model = LlamaModel(mc, loaded.weights, dtype, self.device,
+                                pick_attention(config.attention_backend, self.device))
+        self.layout = CacheLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
+        num_blocks = max(2, config.kv_cache_bytes // (self.layout.block_bytes + 64))
+        self.cache = PagedKVCache(self.layout, num_blocks)
+        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        self.fingerprint = (f"{mc.name}|{config.dtype}|bs{config.block_size}|L{mc.num_layers}|kv{mc.num_kv_heads}"
+                            f"|hd{mc.head_dim}")
+        self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool, config.block_size, self.fingerprint)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.enable_chunked_prefill), self.kv)
+        self.sampler = Sampler()
+        self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler)
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
+        log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", mc.name, config.dtype,
+                 self.device, num_blocks, config.block_size, self.cache.nbytes / 2**20)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Validate and queue a request. Raises EngineError for one that cannot be served."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise EngineError("the prompt is empty")
+        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
+            raise EngineError(f"prompt token ids must be in [0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                              "tokens (prompt + output)")
+        blocks_needed = -(-(len(ids) + 1) // self.config.block_size)
+        if blocks_needed > self.block_pool.num_blocks:
+            raise EngineError(f"the prompt needs {blocks_needed} KV blocks; the cache has {self.block_pool.num_blocks}")
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, cache_salt=cache_salt)
+        self.scheduler.add_request(req)
+        self.stats["prompt_tokens"] += len(ids)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.scheduler.abort_request(request_id)
+        if req is not None:
+            self.sampler.forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; returns an output for every request that produced a token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update_from_output(out, {rid: tok for rid, (tok, _) in sampled.items()})
+        self.stats["prefill_tokens_computed"] += sum(s.num_new_tokens for s in out.scheduled if not s.samples
+                                                     or s.num_new_tokens > 1)
+        outputs = []
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id not in sampled or req.is_finished:
+                continue
+            _, lp = sampled[req.request_id]
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            self.stats["generation_tokens"] += 1
+            status = check_stop(req, self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(req, status)
+                self.sampler.forget(req.request_id)
+            outputs.append(make_output(req))
+        return outputs
+
+    def prefix_cache_hit_rate(self) -> float:
+        return self.block_pool.hits / self.block_pool.queries if self.block_pool.queries else 0.0
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        req.error = message
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return make_output(req)
