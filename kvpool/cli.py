@@ -66,6 +66,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine import cli as engine_cli
     from metaserver import admin
 
     parser = argparse.ArgumentParser(prog="kvpool", description="Mooncake-style global KV-cache pool")
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _add_metaserver(sub)
     admin.add_parser(sub)
+    engine_cli.add_parsers(sub)
     _add_bench(sub)
     _add_demo(sub)
     return parser
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool_bench import metaserver_bench, transfer_bench
 
         return {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main}[args.bench_cmd](args)
+    if args.cmd in ("serve", "generate"):
+        from engine import cli as engine_cli
+
+        return {"serve": engine_cli.serve, "generate": engine_cli.generate}[args.cmd](args)
     if args.cmd == "demo":
         from kvpool_bench import demo
 

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server for the engine (`kvpool serve`)."""

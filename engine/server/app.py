@@ -1,0 +1,154 @@
+"""The HTTP API: /v1/completions, /v1/chat/completions (with server-sent-event streaming),
+/v1/models, /health and /metrics, on aiohttp.
+
+A bad request gets HTTP 400 with an OpenAI-style error body and changes nothing; the
+server and the other requests carry on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from engine.llm_engine import EngineError, LLMEngine
+from engine.server.async_engine import AsyncEngine
+from engine.server.metrics import Metrics
+from engine.server.protocol import BadRequest, completion_body, error_body, logprobs_body, parse, usage
+
+log = logging.getLogger(__name__)
+ENGINE = web.AppKey("engine", AsyncEngine)
+
+
+def _json_error(status: int, body: dict[str, Any]) -> web.Response:
+    return web.json_response(body, status=status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"invalid JSON body: {err}") from None
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    aeng = request.app[ENGINE]
+    eng: LLMEngine = aeng.engine
+    try:
+        parsed = parse(await _read_json(request), chat, eng.model_name, default_max_tokens=16 if not chat else 256)
+        if chat:
+            assert parsed.messages is not None
+            try:
+                prompt_ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(parsed.messages))
+            except ValueError as err:
+                raise BadRequest(f"cannot apply the chat template: {err}", "messages") from None
+        else:
+            assert parsed.prompt is not None
+            prompt_ids = eng.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
+    except BadRequest as err:
+        return _json_error(400, err.body())
+    if aeng.dead:
+        return _json_error(503, error_body(aeng.dead, "server_error"))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    outputs = aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt)
+    if not parsed.stream:
+        final = None
+        try:
+            async for out in outputs:
+                final = out
+        except EngineError as err:
+            return _json_error(400, BadRequest(str(err)).body())
+        assert final is not None
+        body = completion_body(rid, eng.model_name, final, final.text, chat, stream=False,
+                               logprobs=logprobs_body(eng.tokenizer, final, 0, chat))
+        body["usage"] = usage(final)
+        return web.json_response(body)
+    return await _stream(request, outputs, rid, chat, parsed.include_usage, eng)
+
+
+async def _stream(request: web.Request, outputs, rid: str, chat: bool, include_usage: bool,  # noqa: ANN001
+                  eng: LLMEngine) -> web.StreamResponse:
+    resp: web.StreamResponse | None = None
+    sent_text, sent_tokens = "", 0
+    try:
+        async for out in outputs:
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+            delta = out.text[len(sent_text):] if out.text.startswith(sent_text) else out.text
+            chunk = completion_body(rid, eng.model_name, out, delta, chat, stream=True,
+                                    logprobs=logprobs_body(eng.tokenizer, out, sent_tokens, chat))
+            sent_text, sent_tokens = out.text, len(out.token_ids)
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if out.finished and include_usage:
+                tail = {"id": rid, "object": chunk["object"], "created": int(time.time()), "model": eng.model_name,
+                        "choices": [], "usage": usage(out)}
+                await resp.write(f"data: {json.dumps(tail)}\n\n".encode())
+    except EngineError as err:
+        if resp is None:
+            return _json_error(400, BadRequest(str(err)).body())
+        await resp.write(f"data: {json.dumps(error_body(str(err), 'server_error'))}\n\n".encode())
+    assert resp is not None
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    eng = request.app[ENGINE].engine
+    return web.json_response({"object": "list", "data": [
+        {"id": eng.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
+         "max_model_len": eng.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    dead = request.app[ENGINE].dead
+    return web.json_response({"status": "error", "message": dead} if dead else {"status": "ok"},
+                             status=503 if dead else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[ENGINE].metrics.render(), content_type="text/plain")
+
+
+@web.middleware
+async def errors(request: web.Request, handler):  # noqa: ANN001, ANN201
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            return _json_error(exc.status, error_body(exc.reason, kind))
+        raise
+
+
+def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=max_request_bytes)
+    aeng = AsyncEngine(engine, Metrics(engine.model_name))
+    app[ENGINE] = aeng
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+    async def on_startup(app: web.Application) -> None:
+        aeng.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        aeng.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

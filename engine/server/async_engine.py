@@ -1,0 +1,110 @@
+"""Runs the engine loop in its own thread and hands outputs to asyncio callers.
+
+Callers (HTTP handlers on the event loop) `submit()` a request and read its outputs from an
+asyncio.Queue; the engine thread steps while there is work and sleeps otherwise. Only the
+engine thread touches the engine; submissions and aborts cross over through a queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import EngineError, LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+from engine.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: asyncio.Queue[RequestOutput | Exception]
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.Queue[_Submit | str | None] = queue.Queue()
+        self._sinks: dict[str, _Submit] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.dead: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(30)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; raises EngineError if it is rejected."""
+        sink: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._inbox.put(_Submit(request_id, prompt, params, cache_salt, sink, asyncio.get_running_loop()))
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._inbox.put(request_id)  # abort if still running (client went away); no-op otherwise
+
+    def _deliver(self, sub: _Submit, item: RequestOutput | Exception) -> None:
+        sub.loop.call_soon_threadsafe(sub.sink.put_nowait, item)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        try:
+            item = self._inbox.get(timeout=0.05 if block else 0)
+        except queue.Empty:
+            return True
+        while True:
+            if item is None:
+                return False
+            if isinstance(item, str):
+                if item in self._sinks:
+                    self.engine.abort(item)
+                    self._sinks.pop(item, None)
+            else:
+                try:
+                    self.engine.add_request(item.prompt, item.params, item.request_id, item.cache_salt)
+                    self._sinks[item.request_id] = item
+                except EngineError as err:
+                    self._deliver(item, err)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _run(self) -> None:
+        try:
+            while self._drain_inbox(block=not self.engine.has_unfinished()):
+                if not self.engine.has_unfinished():
+                    continue
+                for out in self.engine.step():
+                    sub = self._sinks.get(out.request_id)
+                    if sub is None:
+                        continue
+                    self.metrics.on_output(out)
+                    self._deliver(sub, out)
+                    if out.finished:
+                        del self._sinks[out.request_id]
+                self.metrics.on_step(self.engine)
+        except Exception as err:  # the loop must not die silently: fail everything in flight
+            log.exception("engine loop crashed")
+            self.dead = f"engine loop crashed: {err!r}"
+            for sub in self._sinks.values():
+                self._deliver(sub, EngineError(self.dead))
