@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -19,7 +20,19 @@ class AttentionMetadata:
     seqs: list[SeqSpan]
     slot_block_ids: torch.Tensor   # int64 [num_tokens]: cache block of each new token
     slot_offsets: torch.Tensor     # int64 [num_tokens]: position inside that block
-    # For the Triton path (CUDA): padded block tables and per-sequence arrays.
-    block_tables: torch.Tensor | None = None   # int32 [num_seqs, max_blocks]
-    query_starts: torch.Tensor | None = None   # int32 [num_seqs + 1]
-    context_lens: torch.Tensor | None = None   # int32 [num_seqs]
+
+    @cached_property
+    def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the Triton kernel, built once per pass: (block_tables [S, max_blocks] int32
+        zero-padded, token_seq [T] int32 = sequence of each token, token_pos [T] int32)."""
+        device = self.slot_block_ids.device
+        width = max(len(s.block_table) for s in self.seqs)
+        tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
+        seq_of: list[int] = []
+        pos_of: list[int] = []
+        for i, s in enumerate(self.seqs):
+            tables[i, :len(s.block_table)] = s.block_table.to(torch.int32).cpu()
+            seq_of += [i] * s.num_query
+            pos_of += range(s.context_len - s.num_query, s.context_len)
+        return (tables.to(device), torch.tensor(seq_of, dtype=torch.int32, device=device),
+                torch.tensor(pos_of, dtype=torch.int32, device=device))
