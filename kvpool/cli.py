@@ -52,12 +52,13 @@ def _run_metaserver(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import metaserver_bench, transfer_bench
+    from kvpool_bench import engine_bench, metaserver_bench, transfer_bench
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     metaserver_bench.add_parser(benches)
     transfer_bench.add_parser(benches)
+    engine_bench.add_parser(benches)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -91,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import metaserver_bench, transfer_bench
+        from kvpool_bench import engine_bench, metaserver_bench, transfer_bench
 
-        return {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main}[args.bench_cmd](args)
+        benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main}
+        return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from engine import cli as engine_cli
 
