@@ -49,10 +49,6 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.raw.numel()
 
-    def payload_address(self, block_id: int) -> int:
-        """Address of a block's payload (HEADER_BYTES of room precede it)."""
-        return self.base_address + block_id * self.slot_bytes + HEADER_BYTES
-
     def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """Store new tokens' K and V ([n, kv_heads, head_dim]) at (block, offset) slots."""

@@ -20,7 +20,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model import LlamaModel
 from engine.outputs import RequestOutput, check_stop, make_output
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -72,7 +72,6 @@ class LLMEngine:
         self.sampler = Sampler()
         self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler)
         self._ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "prefill_tokens_computed": 0}
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", mc.name, config.dtype,
                  self.device, num_blocks, config.block_size, self.cache.nbytes / 2**20)
 
@@ -94,7 +93,6 @@ class LLMEngine:
             raise EngineError(f"the prompt needs {blocks_needed} KV blocks; the cache has {self.block_pool.num_blocks}")
         req = Request(request_id or f"req-{next(self._ids)}", ids, params, cache_salt=cache_salt)
         self.scheduler.add_request(req)
-        self.stats["prompt_tokens"] += len(ids)
         return req
 
     def abort(self, request_id: str) -> None:
@@ -114,8 +112,6 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(out)
         self.scheduler.update_from_output(out, {rid: tok for rid, (tok, _) in sampled.items()})
-        self.stats["prefill_tokens_computed"] += sum(s.num_new_tokens for s in out.scheduled if not s.samples
-                                                     or s.num_new_tokens > 1)
         outputs = []
         for s in out.scheduled:
             req = s.request
@@ -124,7 +120,6 @@ class LLMEngine:
             _, lp = sampled[req.request_id]
             if lp is not None:
                 req.output_logprobs.append(lp)
-            self.stats["generation_tokens"] += 1
             status = check_stop(req, self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
             if status is not None:
                 self.scheduler.finish(req, status)
@@ -134,11 +129,3 @@ class LLMEngine:
 
     def prefix_cache_hit_rate(self) -> float:
         return self.block_pool.hits / self.block_pool.queries if self.block_pool.queries else 0.0
-
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return None
-        req.error = message
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return make_output(req)

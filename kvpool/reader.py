@@ -71,7 +71,7 @@ class Scratch:
             self._free.extend(idx)
 
     def header(self, i: int) -> SlotHeader:
-        return SlotHeader.unpack(self._buf[i * HEADER_BYTES:(i + 1) * HEADER_BYTES].tobytes())
+        return self.at(self.addr + i * HEADER_BYTES)
 
 
 @dataclass

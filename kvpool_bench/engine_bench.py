@@ -9,14 +9,14 @@ first 1,024 tokens hit the prefix cache against the same prompt cold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from kvpool_bench.report import pct, write_report
 
 PARAGRAPH = ("The river bends around the old mill where the miller's family kept the ledgers of every harvest for "
              "two hundred years, noting rain, frost, prices and the names of the people who came to trade. ")
@@ -34,11 +34,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench-engine.json")
-
-
-def pct(v: list[float], q: float) -> float:
-    s = sorted(v)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))] if s else float("nan")
 
 
 def make_prompts(tokenizer, n: int, lo: int, hi: int) -> list[list[int]]:  # noqa: ANN001
@@ -152,10 +147,7 @@ def main(args: argparse.Namespace) -> int:
         report["transformers"] = run_hf(loaded.source, getattr(torch, args.dtype), prompts, args.output_tokens,
                                         args.hf_batch)
     print_report(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"report: {out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
+from kvpool_bench.report import pct, write_report
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
 from metaserver.launch import EtcdProcess, MetaserverProcess
@@ -38,13 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--concurrency", type=int, default=32, help="in-flight queries in the max-rate step")
     p.add_argument("--out", default="runs/bench-metaserver.json", help="JSON report path")
     p.add_argument("--server-args", default="", help="extra `kvpool metaserver` flags, e.g. '--threads 2'")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
 def h(chain: int, i: int) -> bytes:
@@ -213,8 +205,5 @@ def main(args: argparse.Namespace) -> int:
             report = asyncio.run(run(args, a.address, b.address))
     report["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print_report(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nreport: {out}")
+    write_report(args.out, report)
     return 0

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
 from kvpool.layout import HEADER_BYTES
+from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
 from metaserver.client import MetaClient
 from metaserver.launch import EtcdProcess, MetaserverProcess, free_port
@@ -187,8 +188,5 @@ def print_row(c: dict, header: bool) -> None:
 def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-transfer-") as tmp:
         rows = run(args, Path(tmp))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=2))
-    print(f"\nreport: {out}")
+    write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows})
     return 0

@@ -23,7 +23,7 @@ from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
 from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
 from metaserver.store import node_from_pb
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
-                              NodeId, NodeRecord, QueryResult)
+                              NodeRecord, QueryResult)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

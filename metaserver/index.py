@@ -82,9 +82,6 @@ class BlockIndex:
             self.remove_block(node_id, h)
         return hashes
 
-    def holders(self, namespace: Namespace, block_hash: BlockHash) -> list[NodeId]:
-        return list(self._blocks.get(namespace, {}).get(block_hash, {}))
-
     def remove_hashes(self, namespace: Namespace, hashes: Iterable[BlockHash]) -> list[tuple[NodeId, BlockHash]]:
         """Drop every copy of `hashes` in `namespace`; returns the (node, hash) pairs dropped."""
         ns_map = self._blocks.get(namespace, {})
@@ -142,10 +139,6 @@ class BlockIndex:
 
     def num_blocks_of(self, node_id: NodeId) -> int:
         return len(self._node_hashes.get(node_id, ()))
-
-    def node_hashes(self, node_id: NodeId) -> set[BlockHash]:
-        """A copy of the hashes indexed for `node_id`."""
-        return set(self._node_hashes.get(node_id, ()))
 
     def stats(self) -> IndexStats:
         per_ns = tuple(

@@ -123,7 +123,6 @@ class DurableStore:
         self._flusher: asyncio.Task[None] | None = None
         self.healthy = True
         self.on_health_change: Callable[[bool], None] = lambda healthy: None
-        self.written_ops = 0
 
     # ---- queue ----------------------------------------------------------------------
 
@@ -244,7 +243,6 @@ class DurableStore:
     async def _write(self, batch: list[Op], slots: asyncio.Semaphore) -> None:
         try:
             await self.etcd.txn(batch)
-            self.written_ops += len(batch)
             self._set_healthy(True)
         except LeaseNotFound:
             lease = batch[0].lease if isinstance(batch[0], Put) else 0

@@ -54,7 +54,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
     def has_unfinished(self) -> bool:
@@ -159,9 +159,7 @@ class Scheduler:
             self.kv.cache_computed(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        self._finish(req, status)
-
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stopped, aborted, failed): free its blocks and forget it."""
         req.status = status
         req.finish_time = time.monotonic()
         self.kv.free(req)

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
-from metaserver.launch import EtcdProcess, MetaserverProcess
+from metaserver.launch import EtcdProcess
 from metaserver.types import BlockHash, BlockRecord
 from tests.conftest import wait_for
 
