@@ -24,6 +24,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--served-model-name", default="")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    k = p.add_argument_group("KV connector (the global pool)")
+    k.add_argument("--kv-connector", default="", help="connector name, e.g. mooncake; unset = local prefix cache only")
+    k.add_argument("--metaserver", default="", help="metaserver HOST:PORT[,HOST:PORT] (for --kv-connector mooncake)")
+    k.add_argument("--pool-size", default="", help="this node's DRAM pool, e.g. 4GiB (default 1GiB)")
+    k.add_argument("--node-id", default="", help="this node's stable id in the pool (default: host-pid)")
+    k.add_argument("--kv-transfer-config", default="",
+                   help='JSON as vLLM\'s flag: {"kv_connector": "mooncake", "kv_role": "kv_both", '
+                        '"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}')
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,6 +49,27 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     g.add_argument("--seed", type=int, default=None)
 
 
+def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
+    """The connector settings from --kv-transfer-config and the shorthand flags (which win)."""
+    from connector.config import KVTransferConfig
+
+    if not (args.kv_connector or args.kv_transfer_config):
+        if args.metaserver or args.pool_size or args.node_id:
+            raise ValueError("--metaserver, --pool-size and --node-id need --kv-connector")
+        return None
+    base = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config else None
+    extra = dict(base.kv_connector_extra_config) if base else {}
+    for key, value in (("metaserver", args.metaserver), ("pool_size", args.pool_size), ("node_id", args.node_id)):
+        if value:
+            extra[key] = value
+    if "pool_size" in extra:
+        parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
+    fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,
+              "kv_load_timeout_s": base.kv_load_timeout_s} if base else {}
+    return KVTransferConfig(kv_connector=args.kv_connector or (base.kv_connector if base else ""),
+                            kv_connector_extra_config=extra, **fields)
+
+
 def engine_config(args: argparse.Namespace):  # noqa: ANN201
     from engine.config import EngineConfig
 
@@ -49,7 +78,8 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, device=args.device,
-                        attention_backend=args.attention_backend, served_model_name=args.served_model_name)
+                        attention_backend=args.attention_backend, served_model_name=args.served_model_name,
+                        kv_transfer_config=kv_transfer_config(args))
 
 
 def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
@@ -60,9 +90,17 @@ def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kvpool.transfer import TransferError
+    from metaserver.errors import MetaError
+
     try:
-        return LLMEngine(engine_config(args))
-    except (ModelLoadError, ValueError) as err:
+        config = engine_config(args)
+    except ValueError as err:
+        print(f"kvpool {prog}: error: {err}", file=sys.stderr)
+        return None
+    try:
+        return LLMEngine(config)
+    except (ModelLoadError, ValueError, TransferError, MetaError) as err:
         print(f"kvpool {prog}: error: {err}", file=sys.stderr)
         return None
 
@@ -107,10 +145,13 @@ def generate(args: argparse.Namespace) -> int:
         print(f"kvpool generate: error: {err}", file=sys.stderr)
         return 2
     done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    try:
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+    finally:
+        engine.close()
     for r in reqs:
         print(done[r.request_id].text)
     return 0

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from connector.config import KVTransferConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -20,6 +24,7 @@ class EngineConfig:
     device: str = "auto"                   # auto = cuda if available, else cpu
     attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu
     served_model_name: str = ""            # name in the API; default: the model's own name
+    kv_transfer_config: KVTransferConfig | None = None  # a KV connector (--kv-connector); None = local cache only
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

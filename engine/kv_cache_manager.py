@@ -81,9 +81,15 @@ class KVCacheManager:
             self.pool.cache(b, h)
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, None)
+        self.free_by_id(request.request_id)
+
+    def free_by_id(self, request_id: str) -> None:
+        blocks = self.req_blocks.pop(request_id, None)
         if blocks:
             self.pool.free(blocks)
+
+    def has_blocks(self, request: Request) -> bool:
+        return request.request_id in self.req_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -67,13 +68,44 @@ class LLMEngine:
                             f"|hd{mc.head_dim}")
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size, self.fingerprint)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.enable_chunked_prefill), self.kv)
+        self.connector, self.connector_worker = self._make_connectors(config)
+        kvt = config.kv_transfer_config
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+            kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "recompute",
+            kv_load_timeout_s=kvt.kv_load_timeout_s if kvt else 30.0), self.kv, self.connector)
         self.sampler = Sampler()
         self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler)
         self._ids = itertools.count()
         log.info("engine ready: %s %s on %s, %d KV blocks of %d tokens (%.0f MiB)", mc.name, config.dtype,
                  self.device, num_blocks, config.block_size, self.cache.nbytes / 2**20)
+
+    def _make_connectors(self, config: EngineConfig):  # noqa: ANN202
+        """The scheduler-side and worker-side halves of the configured KV connector (or None)."""
+        if config.kv_transfer_config is None:
+            return None, None
+        from connector import factory
+        from connector.base import EngineContext, KVConnectorRole
+        from kvpool.layout import HEADER_BYTES
+
+        ctx = EngineContext(self.fingerprint, config.block_size, self.layout.block_bytes, self.cache.slot_bytes,
+                            HEADER_BYTES)
+        worker = factory.create(config.kv_transfer_config, ctx, KVConnectorRole.WORKER)
+        try:
+            worker.register_kv_caches({"kv_cache": self.cache.raw})
+            sched = factory.create(config.kv_transfer_config, ctx, KVConnectorRole.SCHEDULER)
+        except BaseException:
+            worker.shutdown()
+            raise
+        return sched, worker
+
+    def close(self) -> None:
+        """Stop the connector (unregister from the pool). Idempotent."""
+        for c in (self.connector_worker, self.connector):
+            if c is not None:
+                c.shutdown()
+        self.connector = self.connector_worker = None
+        self.scheduler.connector = None
 
     # ---- requests -------------------------------------------------------------------
 
@@ -106,11 +138,17 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns an output for every request that produced a token."""
+        """One scheduling step; returns an output for every request that produced a token or ended."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        sampled = self.runner.execute(out)
+        worker = self.connector_worker
+        if worker is not None:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+        sampled = self.runner.execute(out) if out.scheduled else {}
+        if worker is not None:
+            if out.scheduled:
+                worker.wait_for_save()
+            self._connector_report(worker, idle=not out.scheduled)
         self.scheduler.update_from_output(out, {rid: tok for rid, (tok, _) in sampled.items()})
         outputs = []
         for s in out.scheduled:
@@ -125,7 +163,34 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
                 self.sampler.forget(req.request_id)
             outputs.append(make_output(req))
+        while self.scheduler.finished_outside_step:
+            outputs.append(make_output(self.scheduler.finished_outside_step.pop()))
         return outputs
+
+    def _connector_report(self, worker, idle: bool) -> None:  # noqa: ANN001
+        from connector.base import KVConnectorOutput
+
+        sending, recving = worker.get_finished(set())
+        self.scheduler.update_from_connector(KVConnectorOutput(
+            sending or set(), recving or set(), worker.get_block_ids_with_load_errors()))
+        worker.clear_connector_metadata()
+        if idle and self.scheduler.loading and not recving:
+            time.sleep(0.0005)  # only loads in flight: do not spin
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics and benchmarks (tokens unless named otherwise)."""
+        s = self.scheduler
+        out: dict[str, float] = {
+            "prefill_tokens": s.prefill_tokens, "local_hit_tokens": self.block_pool.hits,
+            "remote_hit_tokens": s.remote_hit_tokens, "failed_load_blocks": s.failed_load_blocks,
+            "num_requests_loading": len(s.loading), "num_preemptions": s.num_preemptions}
+        w = self.connector_worker
+        if w is not None and getattr(w, "pool", None) is not None:
+            ps = w.pool.stats
+            out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
+                       pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
+                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published)
+        return out
 
     def prefix_cache_hit_rate(self) -> float:
         return self.block_pool.hits / self.block_pool.queries if self.block_pool.queries else 0.0

@@ -124,43 +124,35 @@ def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
     raise TimeoutError(f"{address} not SERVING within {timeout_s}s")
 
 
-class MetaserverProcess:
-    """One `kvpool metaserver` replica as a child process on 127.0.0.1."""
+class ChildProcess:
+    """A `python -m kvpool ...` child on 127.0.0.1 with its log file, ended by PID."""
 
-    def __init__(self, etcd_endpoints: str, log_path: Path, port: int | None = None,
-                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
-        self.etcd_endpoints = etcd_endpoints
-        self.log_level = log_level
-        self.port = port or free_port()
+    def __init__(self, log_path: Path) -> None:
         self.log_path = Path(log_path)
-        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
-    def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
-        args = [sys.executable, "-m", "kvpool", "--log-level", self.log_level, "metaserver", "--listen", self.address,
-                "--etcd", self.etcd_endpoints, *self.extra_args]
+    def spawn(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            wait_serving(self.address, timeout_s)
-        except TimeoutError:
-            self.kill()
-            raise RuntimeError(f"metaserver on {self.address} not ready; see {self.log_path}") from None
-        return self
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvpool", *args], stdout=logf,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL: a crash (queued etcd writes are lost)."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL: a crash."""
+        if self.alive():
+            assert self.proc is not None
             self.proc.kill()
             self.proc.wait(10)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM (clean shutdown); returns the exit code."""
+        """SIGTERM (clean shutdown), SIGKILL after `timeout_s`; returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -172,8 +164,34 @@ class MetaserverProcess:
                 self.proc.wait(10)
         return self.proc.returncode
 
-    def __enter__(self) -> MetaserverProcess:
-        return self.start()
-
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class MetaserverProcess(ChildProcess):
+    """One `kvpool metaserver` replica as a child process on 127.0.0.1."""
+
+    def __init__(self, etcd_endpoints: str, log_path: Path, port: int | None = None,
+                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
+        super().__init__(log_path)
+        self.etcd_endpoints = etcd_endpoints
+        self.log_level = log_level
+        self.port = port or free_port()
+        self.extra_args = extra_args
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
+        self.spawn(["--log-level", self.log_level, "metaserver", "--listen", self.address,
+                    "--etcd", self.etcd_endpoints, *self.extra_args])
+        try:
+            wait_serving(self.address, timeout_s)
+        except TimeoutError:
+            self.kill()
+            raise RuntimeError(f"metaserver on {self.address} not ready; see {self.log_path}") from None
+        return self
+
+    def __enter__(self) -> MetaserverProcess:
+        return self.start()

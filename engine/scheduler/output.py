@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.request import Request
 
@@ -21,6 +22,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)   # request ids preempted this step
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # scheduled requests' blocks (with a connector)
+    kv_connector_metadata: Any = None    # the connector's KVConnectorMetadata for this step
 
     @property
     def num_batched_tokens(self) -> int:

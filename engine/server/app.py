@@ -62,8 +62,12 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except EngineError as err:
             return _json_error(400, BadRequest(str(err)).body())
         assert final is not None
+        if final.error:
+            return _json_error(500, error_body(final.error, "server_error"))
         body = completion_body(rid, eng.model_name, final, final.text, chat, stream=False,
                                logprobs=logprobs_body(eng.tokenizer, final, 0, chat))
+        if parsed.return_token_ids:
+            body["choices"][0].update(prompt_token_ids=final.prompt_token_ids, token_ids=final.token_ids)
         body["usage"] = usage(final)
         return web.json_response(body)
     return await _stream(request, outputs, rid, chat, parsed.include_usage, eng)
@@ -118,6 +122,11 @@ async def health(request: web.Request) -> web.Response:
                              status=503 if dead else 200)
 
 
+async def stats(request: web.Request) -> web.Response:
+    """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic)."""
+    return web.json_response(request.app[ENGINE].engine.stats())
+
+
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=request.app[ENGINE].metrics.render(), content_type="text/plain")
 
@@ -142,12 +151,14 @@ def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20) -> web.Applic
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
 
     async def on_startup(app: web.Application) -> None:
         aeng.start()
 
     async def on_cleanup(app: web.Application) -> None:
         aeng.stop()
+        engine.close()
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

@@ -48,6 +48,7 @@ class Metrics:
         self.gauges = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
                        "prefix_cache_hit_rate": 0.0}
         self._first: dict[str, float] = {}
+        self.engine_stats: dict[str, float] = {}
 
     def on_output(self, out: RequestOutput) -> None:
         with self._lock:
@@ -73,6 +74,7 @@ class Metrics:
             self.gauges["num_requests_waiting"] = engine.scheduler.num_waiting
             self.gauges["kv_cache_usage_perc"] = engine.block_pool.usage()
             self.gauges["prefix_cache_hit_rate"] = engine.prefix_cache_hit_rate()
+            self.engine_stats = engine.stats()
 
     def render(self) -> str:
         p = "kvpool:"
@@ -82,6 +84,8 @@ class Metrics:
                 lines += [f"# TYPE {p}{k} gauge", f'{p}{k}{{model_name="{self.model}"}} {v}']
             for k, v in self.counters.items():
                 lines += [f"# TYPE {p}{k}_total counter", f'{p}{k}_total{{model_name="{self.model}"}} {v}']
+            for k, v in self.engine_stats.items():
+                lines += [f"# TYPE {p}engine_{k} gauge", f'{p}engine_{k}{{model_name="{self.model}"}} {v}']
             lines += self.ttft.render(f"{p}time_to_first_token_seconds", "Time to first token")
             lines += self.tpot.render(f"{p}time_per_output_token_seconds", "Time per output token after the first")
             lines += self.e2e.render(f"{p}e2e_request_latency_seconds", "Arrival to last token")

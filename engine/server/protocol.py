@@ -36,6 +36,7 @@ class ParsedRequest:
     stream: bool
     cache_salt: str | None
     include_usage: bool
+    return_token_ids: bool = False      # vLLM's extension: prompt and output token ids in each choice
 
 
 def _num(body: dict[str, Any], key: str, kind: type, default: Any, lo: float | None = None,
@@ -101,6 +102,9 @@ def parse(body: Any, chat: bool, model_name: str, default_max_tokens: int) -> Pa
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     opts = body.get("stream_options") or {}
+    return_ids = body.get("return_token_ids", False)
+    if not isinstance(return_ids, bool):
+        raise BadRequest("'return_token_ids' must be a boolean", "return_token_ids")
     try:
         params = SamplingParams(
             max_tokens=_num(body, max_key, int, default_max_tokens, 1, 1 << 20),
@@ -113,13 +117,16 @@ def parse(body: Any, chat: bool, model_name: str, default_max_tokens: int) -> Pa
     except ValueError as err:
         raise BadRequest(str(err)) from None
     return ParsedRequest(prompt, messages, params, stream, salt,
-                         bool(isinstance(opts, dict) and opts.get("include_usage")))
+                         bool(isinstance(opts, dict) and opts.get("include_usage")), return_ids)
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
             "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens + out.num_external_tokens}}
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens + out.num_external_tokens,
+                                      # kvpool's split of cached_tokens: local prefix cache vs the pool
+                                      "local_cached_tokens": out.num_cached_tokens,
+                                      "remote_cached_tokens": out.num_external_tokens}}
 
 
 def completion_body(rid: str, model: str, out: RequestOutput, text: str, chat: bool, stream: bool,

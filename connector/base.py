@@ -1,0 +1,139 @@
+"""The KV connector interface, shaped like vLLM's `KVConnectorBase_V1` (vLLM 0.32).
+
+A connector has two halves, created separately with a role, as in vLLM:
+
+Scheduler side (runs in the scheduler, decides):
+    get_num_new_matched_tokens(request, num_computed_tokens) -> (int | None, bool)
+        tokens beyond the local prefix-cache hit that the connector can load, and whether
+        they load asynchronously. May be called repeatedly; no side effects; None = "ask
+        again later" (the request is skipped this step).
+    update_state_after_alloc(request, blocks, num_external_tokens)
+        the scheduler allocated `blocks` for those tokens; remember where they go.
+    build_connector_meta(scheduler_output) -> KVConnectorMetadata
+        everything the worker side must do this step (a typed dataclass); resets the state.
+    update_connector_output(connector_output)
+        what the worker side reported back after the step.
+    request_finished(request, block_ids) -> (bool, dict | None)
+        True = the connector still uses the blocks (the scheduler frees them only when
+        `get_finished` reports the request in its sending set); plus kv_transfer_params.
+
+Worker side (runs next to the model and its KV cache, moves bytes):
+    register_kv_caches(kv_caches)        the paged cache tensors, by name
+    bind_connector_metadata(meta) / clear_connector_metadata()
+    start_load_kv(forward_context)       start this step's loads (asynchronous)
+    wait_for_layer_load(layer_name)      block until one layer's KV is in place
+    save_kv_layer(layer_name, kv_layer, attn_metadata)
+    wait_for_save()                      block until this step's saves are issued
+    get_finished(finished_req_ids) -> (sending, recving)   request ids done since the last call
+    get_block_ids_with_load_errors() -> set[int]           block ids whose load failed
+    shutdown()
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from connector.config import KVTransferConfig
+    from engine.request import Request
+    from engine.scheduler.output import SchedulerOutput
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata:  # noqa: B903 - the base of every connector's typed metadata (as in vLLM)
+    """What the scheduler side hands the worker side for one step."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side reports after a step (vLLM's `KVConnectorOutput`)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What a connector learns about the engine it is plugged into (vLLM passes VllmConfig)."""
+
+    fingerprint: str        # model/layout namespace of the KV blocks
+    block_size: int         # tokens per block
+    block_bytes: int        # payload bytes of one block (all layers, K and V)
+    slot_bytes: int         # stride of blocks in the cache (header room + payload, aligned)
+    header_bytes: int       # room before each block's payload in the cache
+
+
+class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
+    def __init__(self, config: KVTransferConfig, ctx: EngineContext, role: KVConnectorRole) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.role = role
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ---- worker side ----------------------------------------------------------------
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        assert self._metadata is not None, "no connector metadata bound for this step"
+        return self._metadata
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """The paged KV cache tensors, by name, before the first step."""
+
+    @abstractmethod
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+
+    @abstractmethod
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def wait_for_save(self) -> None: ...
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Request ids whose asynchronous sends / receives finished since the last call."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (their KV must be recomputed)."""
+        return set()
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (threads, registrations, sessions). Idempotent."""
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]: ...
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: list[int], num_external_tokens: int) -> None: ...
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:  # noqa: B027 - optional hook
+        """What the worker side reported after a step."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished; True = keep its blocks until `get_finished` reports it sent."""
+        return False, None

@@ -1,0 +1,34 @@
+"""Connectors by name: `--kv-connector mooncake` (or the class name, as vLLM spells it)."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from connector.base import EngineContext, KVConnectorBase_V1, KVConnectorRole
+    from connector.config import KVTransferConfig
+
+# name -> "module:Class"; imported only when used.
+_REGISTRY: dict[str, str] = {
+    "mooncake": "connector.mooncake:MooncakeConnector",
+    "MooncakeConnector": "connector.mooncake:MooncakeConnector",
+}
+
+
+def register(name: str, target: str) -> None:
+    """Add a connector under `name` ("module:Class")."""
+    if name in _REGISTRY and _REGISTRY[name] != target:
+        raise ValueError(f"connector {name!r} is already registered as {_REGISTRY[name]}")
+    _REGISTRY[name] = target
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create(config: KVTransferConfig, ctx: EngineContext, role: KVConnectorRole) -> KVConnectorBase_V1:
+    target = _REGISTRY.get(config.kv_connector)
+    if target is None:
+        raise ValueError(f"unknown KV connector {config.kv_connector!r}; known: {', '.join(names())}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)(config, ctx, role)

@@ -1,0 +1,89 @@
+"""Engine nodes (`kvpool serve`) as child processes on loopback, for tests, benchmarks and
+`kvpool cluster`. Each binds 127.0.0.1, logs to its own file and is ended by PID."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from metaserver.launch import ChildProcess, free_port
+
+
+def http_json(url: str, body: object | None = None, timeout_s: float = 600) -> tuple[int, dict]:
+    """GET (body None) or POST JSON; returns (status, parsed body)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+class EngineProcess(ChildProcess):
+    """One `kvpool serve` node; with `metaserver` set it runs `--kv-connector mooncake`."""
+
+    def __init__(self, log_path: Path, node_id: str, metaserver: str = "", model: str = "smollm2-135m",
+                 port: int | None = None, pool_size: str = "1GiB", extra_args: tuple[str, ...] = (),
+                 kv_transfer_config: dict | None = None) -> None:
+        super().__init__(log_path)
+        self.node_id = node_id
+        self.metaserver = metaserver
+        self.model = model
+        self.port = port or free_port()
+        self.pool_size = pool_size
+        self.extra_args = extra_args
+        self.kv_transfer_config = kv_transfer_config
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def connector_on(self) -> bool:
+        return bool(self.metaserver)
+
+    def command(self) -> list[str]:
+        args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--model", self.model, *self.extra_args]
+        if self.metaserver:
+            args += ["--kv-connector", "mooncake", "--metaserver", self.metaserver, "--node-id", self.node_id,
+                     "--pool-size", self.pool_size]
+            if self.kv_transfer_config is not None:
+                args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return args
+
+    def start(self) -> EngineProcess:
+        """Start without waiting (load models of several nodes in parallel); see wait_ready."""
+        self.spawn(self.command())
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> EngineProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"engine node {self.node_id} exited; see {self.log_path}")
+            try:
+                if http_json(f"{self.url}/health", timeout_s=1)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"engine node {self.node_id} not ready within {timeout_s:g}s; see {self.log_path}")
+
+    def __enter__(self) -> EngineProcess:
+        return self.start().wait_ready()
+
+    def complete(self, prompt: list[int] | str, max_tokens: int = 16, **fields: object) -> dict:
+        """A greedy /v1/completions call; raises on a non-200 answer."""
+        status, body = http_json(f"{self.url}/v1/completions", {
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+            **fields})
+        if status != 200:
+            raise RuntimeError(f"node {self.node_id}: HTTP {status}: {body}")
+        return body
+
+    def stats(self) -> dict:
+        return http_json(f"{self.url}/stats", timeout_s=10)[1]

@@ -1,0 +1,216 @@
+"""The scheduler's side of the connector contract, with a scripted connector (no model, no pool).
+
+What is faked: the connector, which only reports what a real one would. What is real: the
+scheduler, the KV cache manager and the block pool whose bookkeeping these tests check.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.base import EngineContext, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
+from connector.config import KVTransferConfig
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+BS = 4
+
+
+class ScriptedConnector(KVConnectorBase_V1):
+    """Offers `offer[request_id]` external tokens; records what the scheduler told it."""
+
+    def __init__(self) -> None:
+        super().__init__(KVTransferConfig("scripted"), EngineContext("fp", BS, 1, 1, 0), KVConnectorRole.SCHEDULER)
+        self.offer: dict[str, int | None] = {}
+        self.allocated: dict[str, list[int]] = {}
+        self.calls = 0
+        self.finished: list[str] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+        self.calls += 1
+        n = self.offer.get(request.request_id, 0)
+        return n, bool(n)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
+        self.allocated[request.request_id] = list(blocks)
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
+        self.finished.append(request.request_id)
+        return False, None
+
+    def start_load_kv(self, forward_context, **kwargs): ...  # noqa: ANN001, ANN003, ANN201
+    def wait_for_layer_load(self, layer_name): ...  # noqa: ANN001, ANN201
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...  # noqa: ANN001, ANN003, ANN201
+    def wait_for_save(self): ...  # noqa: ANN201
+
+
+def make(num_blocks: int = 64, policy: str = "recompute", timeout_s: float = 30.0):  # noqa: ANN201
+    pool = BlockPool(num_blocks)
+    kv = KVCacheManager(pool, BS, "fp")
+    conn = ScriptedConnector()
+    sched = Scheduler(SchedulerConfig(64, 8, kv_load_failure_policy=policy, kv_load_timeout_s=timeout_s), kv, conn)
+    return sched, conn, pool
+
+
+def req(rid: str, n: int, base: int = 0) -> Request:
+    return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=4))
+
+
+def step(sched: Scheduler, sampled_token: int = 7, report: KVConnectorOutput | None = None):  # noqa: ANN201
+    out = sched.schedule()
+    if report is not None:
+        sched.update_from_connector(report)
+    sched.update_from_output(out, {s.request.request_id: sampled_token for s in out.scheduled if s.samples})
+    return out
+
+
+def test_request_waits_for_its_load_while_others_run() -> None:
+    sched, conn, pool = make()
+    a, b = req("a", 21), req("b", 10, base=1000)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    sched.add_request(b)
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["b"]
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(conn.allocated["a"]) == 4 and a.num_computed_tokens == 0
+    out = step(sched)  # still loading: b decodes, a stays parked
+    assert [s.request.request_id for s in out.scheduled] == ["b"]
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}))
+    out = step(sched)
+    sa = next(s for s in out.scheduled if s.request.request_id == "a")
+    assert sa.num_new_tokens == 21 - 16  # only the rest is prefilled
+    assert a.num_external_tokens == 16 and sched.remote_hit_tokens == 16
+    assert sched.prefill_tokens == 10 + 5
+    # the loaded blocks are now in the local prefix cache
+    assert all(pool.blocks[i].block_hash is not None for i in conn.allocated["a"])
+
+
+def test_failed_block_and_everything_after_it_are_recomputed() -> None:
+    sched, conn, _ = make()
+    a = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    step(sched)
+    blocks = conn.allocated["a"]
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={blocks[2]}))
+    out = step(sched)
+    assert out.scheduled[0].num_new_tokens == 21 - 8
+    assert a.num_external_tokens == 8 and sched.failed_load_blocks == 2
+
+
+def test_fail_policy_ends_the_request_with_an_error() -> None:
+    sched, conn, pool = make(policy="fail")
+    a = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    step(sched)
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={conn.allocated["a"][0]}))
+    step(sched)
+    assert a.status is RequestStatus.FINISHED_ERROR and "loading KV failed" in (a.error or "")
+    assert sched.finished_outside_step == [a]
+    assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
+
+
+def test_abort_while_loading_frees_blocks_only_when_the_load_reports() -> None:
+    sched, conn, pool = make()
+    a = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    step(sched)
+    held = pool.num_blocks - pool.num_free
+    assert held == 4
+    sched.abort_request("a")
+    assert a.status is RequestStatus.FINISHED_ABORTED and conn.finished == ["a"]
+    assert pool.num_free == pool.num_blocks - 4, "a load in flight still writes into these blocks"
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={conn.allocated["a"][1]}))
+    assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
+    # the failed id of the aborted load does not taint the block's next owner
+    b = req("b", 21, base=500)
+    conn.offer["b"] = 16
+    sched.add_request(b)
+    step(sched)
+    step(sched, report=KVConnectorOutput(finished_recving={"b"}))
+    step(sched)
+    assert b.num_external_tokens == 16
+
+
+def test_abort_after_the_load_reported_frees_at_once() -> None:
+    sched, conn, pool = make()
+    a = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    step(sched)
+    sched.update_from_connector(KVConnectorOutput(finished_recving={"a"}))
+    sched.abort_request("a")
+    assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
+
+
+def test_a_load_that_never_reports_times_out() -> None:
+    sched, conn, pool = make(timeout_s=0.05)
+    a = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(a)
+    step(sched)
+    time.sleep(0.1)
+    step(sched)
+    assert a.status is RequestStatus.FINISHED_ERROR and "timed out" in (a.error or "")
+    assert pool.num_free == pool.num_blocks - 4  # the transfer may still land: held until reported
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}))
+    assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
+
+
+def test_none_means_ask_again_later() -> None:
+    sched, conn, _ = make()
+    a, b = req("a", 9), req("b", 9, base=100)
+    conn.offer["a"] = None
+    sched.add_request(a)
+    sched.add_request(b)
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["b"] and a.status is RequestStatus.WAITING
+    conn.offer["a"] = 0
+    out = step(sched)
+    assert "a" in [s.request.request_id for s in out.scheduled]
+
+
+def test_no_blocks_for_the_load_keeps_the_request_waiting_unchanged() -> None:
+    sched, conn, pool = make(num_blocks=4)
+    a = req("a", 30)
+    conn.offer["a"] = 28  # 7 blocks, the cache has 4
+    sched.add_request(a)
+    out = step(sched)
+    assert not out.scheduled and a.status is RequestStatus.WAITING and a.num_computed_tokens == 0
+    assert pool.num_free == 4 and not conn.allocated
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ("[]", "must be a JSON object"),
+    ('{"kv_connector": "mooncake", "kv_role": "kv_sideways"}', "kv_role must be one of"),
+    ('{"kv_connector": "mooncake", "kv_load_failure_policy": "ignore"}', "kv_load_failure_policy"),
+    ('{"kv_connector": "mooncake", "colour": 1}', "unknown keys ['colour']"),
+    ('{"kv_role": "kv_both"}', "kv_connector is required"),
+])
+def test_kv_transfer_config_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        KVTransferConfig.from_json(text)
+
+
+def test_kv_transfer_config_roles() -> None:
+    c = KVTransferConfig.from_json('{"kv_connector": "mooncake", "kv_role": "kv_consumer"}')
+    assert c.is_consumer and not c.is_producer
+    assert KVTransferConfig("mooncake", kv_role="kv_producer").is_producer
+
+
+def test_unknown_connector_name() -> None:
+    from connector import factory
+
+    with pytest.raises(ValueError, match="unknown KV connector 'lmcache'; known: MooncakeConnector, mooncake"):
+        factory.create(KVTransferConfig("lmcache"), EngineContext("fp", BS, 1, 1, 0), KVConnectorRole.WORKER)
