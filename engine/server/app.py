@@ -60,6 +60,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             async for out in outputs:
                 final = out
         except EngineError as err:
+            if aeng.dead:
+                return _json_error(503, error_body(aeng.dead, "server_error"))
             return _json_error(400, BadRequest(str(err)).body())
         assert final is not None
         if final.error:
