@@ -155,6 +155,7 @@ class MooncakeConnector(KVConnectorBase_V1):
             log.warning("query for %s failed, computing locally: %s", request.request_id, err)
             return _Hit(num_computed_tokens, start, (), {})
         self.stats.hit_blocks += res.num_matched
+        log.debug("query %s: %d of %d blocks hit", request.request_id, res.num_matched, end - start)
         return _Hit(num_computed_tokens, start, res.locations, res.nodes)
 
     def update_state_after_alloc(self, request: Request, blocks: list[int], num_external_tokens: int) -> None:
@@ -225,9 +226,11 @@ class MooncakeConnector(KVConnectorBase_V1):
                 self._finish_load(rid, spec, failed=range(len(spec.block_ids)))
                 continue
             self._loading[rid] = (handle, spec, not_before)
+            log.debug("load %s: %d blocks issued", rid, len(spec.block_ids))
 
     def _finish_load(self, rid: str, spec: LoadSpec, failed: Any) -> None:  # noqa: ANN401
         bad = [spec.block_ids[i] for i in failed]
+        log.debug("load %s: %d blocks done, %d failed", rid, len(spec.block_ids), len(bad))
         self._load_errors.update(bad)
         self.stats.failed_blocks += len(bad)
         self.stats.loaded_blocks += len(spec.block_ids) - len(bad)

@@ -52,13 +52,14 @@ def _run_metaserver(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import engine_bench, metaserver_bench, transfer_bench
+    from kvpool_bench import connector_bench, engine_bench, metaserver_bench, transfer_bench
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     metaserver_bench.add_parser(benches)
     transfer_bench.add_parser(benches)
     engine_bench.add_parser(benches)
+    connector_bench.add_parser(benches)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_metaserver(sub)
     admin.add_parser(sub)
     engine_cli.add_parsers(sub)
+    from kvpool import cluster
+
+    cluster.add_parser(sub)
     _add_bench(sub)
     _add_demo(sub)
     return parser
@@ -92,14 +96,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import engine_bench, metaserver_bench, transfer_bench
+        from kvpool_bench import connector_bench, engine_bench, metaserver_bench, transfer_bench
 
-        benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main}
+        benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main,
+                   "connector": connector_bench.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from engine import cli as engine_cli
 
         return {"serve": engine_cli.serve, "generate": engine_cli.generate}[args.cmd](args)
+    if args.cmd == "cluster":
+        from kvpool import cluster
+
+        return cluster.main(args)
     if args.cmd == "demo":
         from kvpool_bench import demo
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -27,8 +28,9 @@ class EngineProcess(ChildProcess):
 
     def __init__(self, log_path: Path, node_id: str, metaserver: str = "", model: str = "smollm2-135m",
                  port: int | None = None, pool_size: str = "1GiB", extra_args: tuple[str, ...] = (),
-                 kv_transfer_config: dict | None = None) -> None:
+                 kv_transfer_config: dict | None = None, env: dict[str, str] | None = None) -> None:
         super().__init__(log_path)
+        self.env = env or {}
         self.node_id = node_id
         self.metaserver = metaserver
         self.model = model
@@ -56,7 +58,7 @@ class EngineProcess(ChildProcess):
 
     def start(self) -> EngineProcess:
         """Start without waiting (load models of several nodes in parallel); see wait_ready."""
-        self.spawn(self.command())
+        self.spawn(self.command(), env={**os.environ, **self.env} if self.env else None)
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> EngineProcess:
