@@ -52,7 +52,7 @@ def _run_metaserver(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import connector_bench, engine_bench, metaserver_bench, transfer_bench
+    from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, transfer_bench
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
@@ -60,11 +60,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     transfer_bench.add_parser(benches)
     engine_bench.add_parser(benches)
     connector_bench.add_parser(benches)
-
-
-def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("demo", help="the main job: a local pool on loopback, exercised end to end")
-    p.add_argument("--run-dir", default="runs/demo", help="folder for logs and reports")
+    cross_node.add_parser(benches)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cluster.add_parser(sub)
     _add_bench(sub)
-    _add_demo(sub)
+    from kvpool_bench import demo
+
+    demo.add_parser(sub)
     return parser
 
 
@@ -96,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import connector_bench, engine_bench, metaserver_bench, transfer_bench
+        from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, transfer_bench
 
         benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main,
-                   "connector": connector_bench.main}
+                   "connector": connector_bench.main, "cross-node": cross_node.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from engine import cli as engine_cli

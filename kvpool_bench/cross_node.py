@@ -1,0 +1,308 @@
+"""`kvpool bench cross-node`: how much prefill the pool saves across nodes, and what that
+does to latency. One invocation runs the same workload twice on a fresh local cluster
+(`kvpool.cluster`): with the pool (every node `--kv-connector mooncake`) and without it
+(local prefix caches only), and compares both with the oracle (`kvpool_bench.workloads`).
+
+Requests are streamed (`stream_options.include_usage`): TTFT is the time to the first
+token chunk, TPOT the mean gap after it, and the final usage tells how many prompt tokens
+hit the node's own prefix cache and how many came from the pool.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from kvpool_bench.report import pct, write_report
+from kvpool_bench.workloads import (BenchRequest, hash_id_oracle, load_trace, mooncake_trace, multi_turn,
+                                    oracle_hits)
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Result:
+    rid: str
+    node: int
+    prompt_tokens: int
+    output_tokens: int
+    local_hit_tokens: int
+    remote_hit_tokens: int
+    ttft_s: float
+    e2e_s: float
+    error: str = ""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("cross-node", help="pool on vs pool off on a local cluster: hit rates, TTFT, throughput")
+    add_args(p)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=["multi-turn", "trace"], default="multi-turn")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--routing", choices=["round-robin", "random"], default="round-robin")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--configs", default="on,off", help="pool configurations to run: on, off or both")
+    p.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("multi-turn")
+    m.add_argument("--users", type=int, default=9, help="odd with 2 nodes: a user's rounds alternate nodes")
+    m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
+    m.add_argument("--system-tokens", type=int, default=512)
+    m.add_argument("--user-tokens", type=int, default=64)
+    m.add_argument("--reply-tokens", type=int, default=64)
+    t = p.add_argument_group("trace replay")
+    t.add_argument("--trace", default="", help="Mooncake-format JSONL (e.g. shared/data/mooncake_synthetic_trace.jsonl)")
+    t.add_argument("--tokens-per-hash-id", type=int, default=32)
+    t.add_argument("--max-requests", type=int, default=200, help="first N requests of the trace (0 = all)")
+    t.add_argument("--max-prompt-tokens", type=int, default=2048, help="cut prompts here (the context limit)")
+    t.add_argument("--time-scale", type=float, default=0.0,
+                   help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
+    p.add_argument("--output-tokens", type=int, default=8, help="max tokens per request")
+    p.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
+    p.add_argument("--run-dir", default="runs/cross-node")
+    p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+# ---- one request --------------------------------------------------------------------
+
+def stream_completion(url: str, req: BenchRequest, node: int, timeout_s: float = 600) -> Result:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    body = json.dumps({"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict = {}
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, str(chunk["error"]))
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    except OSError as err:
+        return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, f"{type(err).__name__}: {err}")
+    finally:
+        conn.close()
+    e2e = time.perf_counter() - t0
+    det = usage.get("prompt_tokens_details", {})
+    return Result(req.rid, node, len(req.prompt), usage.get("completion_tokens", 0), det.get("local_cached_tokens", 0),
+                  det.get("remote_cached_tokens", 0), ttft if ttft is not None else e2e, e2e)
+
+
+# ---- a whole workload ---------------------------------------------------------------
+
+def route(kind: str, num_requests: int, num_nodes: int, seed: int) -> list[int]:
+    """The node of each request, by its place in the workload's arrival order: round-robin
+    or seeded random. Fixed up front, so the pool-on and pool-off runs route alike."""
+    if kind == "random":
+        rng = random.Random(seed)
+        return [rng.randrange(num_nodes) for _ in range(num_requests)]
+    return [i % num_nodes for i in range(num_requests)]
+
+
+def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, concurrency: int, seed: int,
+                 on_done: Callable[[], None] = lambda: None, paced: bool = False) -> tuple[list[Result], float]:
+    """Send every request; sessions keep their order. Returns results (request order) and wall time."""
+    nodes = dict(zip((r.rid for r in requests), route(routing, len(requests), len(urls), seed)))
+    results: dict[str, Result] = {}
+
+    def one(req: BenchRequest) -> None:
+        node = nodes[req.rid]
+        results[req.rid] = stream_completion(urls[node], req, node)
+        on_done()
+
+    t0 = time.perf_counter()
+    sessions: dict[str, list[BenchRequest]] = {}
+    for r in requests:
+        sessions.setdefault(r.session or r.rid, []).append(r)
+    with ThreadPoolExecutor(concurrency) as ex:
+        if paced:  # trace arrivals: submit each at its (scaled) time
+            futures = []
+            for r in requests:
+                delay = r.arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    time.sleep(delay)
+                futures.append(ex.submit(one, r))
+            for f in futures:
+                f.result()
+        else:
+            list(ex.map(lambda reqs: [one(r) for r in reqs], sessions.values()))
+    return [results[r.rid] for r in requests], time.perf_counter() - t0
+
+
+def summarize(results: list[Result], wall_s: float, oracle_tokens: int, bytes_moved: int) -> dict:
+    ok = [r for r in results if not r.error]
+    prompt = sum(r.prompt_tokens for r in ok)
+    local = sum(r.local_hit_tokens for r in ok)
+    remote = sum(r.remote_hit_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    hit = (local + remote) / prompt if prompt else 0.0
+    oracle = oracle_tokens / prompt if prompt else 0.0
+    return {"requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
+            "local_hit_tokens": local, "remote_hit_tokens": remote, "recomputed_tokens": prompt - local - remote,
+            "hit_rate": hit, "oracle_hit_rate": oracle, "hit_rate_of_oracle": hit / oracle if oracle else 0.0,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "tpot_mean_s": sum(tpot) / len(tpot) if tpot else float("nan"), "requests_per_s": len(ok) / wall_s,
+            "output_tokens_per_s": out_tokens / wall_s, "bytes_transferred": bytes_moved, "wall_s": wall_s}
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
+    if args.workload == "multi-turn":
+        reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
+                          args.reply_tokens, args.output_tokens, args.seed)
+        return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups}
+    if not args.trace:
+        raise ValueError("--workload trace needs --trace PATH")
+    rows = load_trace(args.trace, args.max_requests)
+    reqs = mooncake_trace(rows, args.tokens_per_hash_id, args.max_prompt_tokens, args.output_tokens,
+                          args.time_scale or 1.0)
+    return reqs, {"trace": str(args.trace), "trace_requests": len(rows), "hash_id_oracle_hit_rate": hash_id_oracle(rows),
+                  "tokens_per_hash_id": args.tokens_per_hash_id}
+
+
+def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest], oracle_tokens: int) -> tuple[dict, list[Result]]:
+    from tqdm import tqdm
+
+    from kvpool.cluster import ClusterSpec, LocalCluster
+
+    name = "pool-on" if pool_on else "pool-off"
+    spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size="2GiB",
+                       engine_args=("--threads", "1", "--kv-cache-bytes", "1GiB", *args.engine_arg))
+    with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
+        urls = [n.url for n in cluster.nodes]
+        for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
+            n.complete([VOCAB_WARM] * 8, 1)
+        before = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes)
+        bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
+        results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
+                                     on_done=lambda: bar.update(1), paced=args.workload == "trace" and args.time_scale > 0)
+        bar.close()
+        moved = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes) - before
+    return summarize(results, wall, oracle_tokens, moved), results
+
+
+VOCAB_WARM = 1000
+
+
+def print_table(summaries: dict[str, dict]) -> None:
+    rows = [("requests (errors)", lambda s: f"{s['requests']} ({s['errors']})"),
+            ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
+            ("hit locally", lambda s: f"{s['local_hit_tokens']:,}"),
+            ("hit remotely (pool)", lambda s: f"{s['remote_hit_tokens']:,}"),
+            ("recomputed", lambda s: f"{s['recomputed_tokens']:,}"),
+            ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
+            ("oracle hit rate", lambda s: f"{s['oracle_hit_rate']:.1%}"),
+            ("hit rate / oracle", lambda s: f"{s['hit_rate_of_oracle']:.1%}"),
+            ("TTFT p50 / p90 / p99 (s)", lambda s: f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.2f}"),
+            ("TPOT mean (ms)", lambda s: f"{1e3 * s['tpot_mean_s']:.0f}"),
+            ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
+            ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),
+            ("bytes transferred", lambda s: f"{s['bytes_transferred'] / 2**20:,.0f} MiB"),
+            ("wall time (s)", lambda s: f"{s['wall_s']:.1f}")]
+    names = list(summaries)
+    print(f"\n{'':<26}" + "".join(f"{n:>22}" for n in names))
+    for label, fmt in rows:
+        print(f"{label:<26}" + "".join(f"{fmt(summaries[n]):>22}" for n in names))
+    if "pool-on" in summaries and "pool-off" in summaries:
+        on, off = summaries["pool-on"], summaries["pool-off"]
+        print(f"\nTTFT p50 pool-on / pool-off: {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x;"
+              f" hit rate pool-on {on['hit_rate_of_oracle']:.0%} of the oracle, pool-off {off['hit_rate_of_oracle']:.0%}")
+
+
+def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        xs = sorted(r.ttft_s for r in res if not r.error)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(summaries)
+    local = [summaries[n]["local_hit_tokens"] / max(1, summaries[n]["prompt_tokens"]) for n in names]
+    remote = [summaries[n]["remote_hit_tokens"] / max(1, summaries[n]["prompt_tokens"]) for n in names]
+    ax.bar(names, local, label="hit locally")
+    ax.bar(names, remote, bottom=local, label="hit remotely (pool)")
+    oracle = summaries[names[0]]["oracle_hit_rate"]
+    ax.axhline(oracle, color="k", linestyle="--", label=f"oracle {oracle:.0%}")
+    ax.set_ylabel("prompt tokens hit")
+    ax.set_ylim(0, 1)
+    ax.set_title("prefix hit rate")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "hit_rate.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main(args: argparse.Namespace) -> int:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not configs or any(c not in ("on", "off") for c in configs):
+        print("kvpool bench cross-node: error: --configs takes on, off or on,off", file=sys.stderr)
+        return 2
+    try:
+        requests, info = build_workload(args)
+    except (ValueError, OSError) as err:
+        print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+        return 2
+    oracle = sum(oracle_hits(requests, BLOCK_SIZE))
+    print(f"workload {args.workload}: {len(requests)} requests, {sum(len(r.prompt) for r in requests):,} prompt tokens, "
+          f"{args.nodes} nodes, routing {args.routing}", flush=True)
+    summaries: dict[str, dict] = {}
+    results: dict[str, list[Result]] = {}
+    for c in configs:
+        name = f"pool-{c}"
+        try:
+            summaries[name], results[name] = run_config(args, c == "on", requests, oracle)
+        except RuntimeError as err:
+            print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+            return 1
+    print_table(summaries)
+    run_dir = Path(args.run_dir)
+    plots = plot(summaries, results, run_dir)
+    report = {"bench": "cross-node", "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
+              "model": args.model, "configs": summaries,
+              "requests": {k: [asdict(r) for r in v] for k, v in results.items()},
+              "plots": [str(p) for p in plots]}
+    write_report(args.out or str(run_dir / "report.json"), report)
+    print("plots: " + ", ".join(str(p) for p in plots))
+    return 0 if all(s["errors"] == 0 for s in summaries.values()) else 1

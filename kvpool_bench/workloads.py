@@ -1,0 +1,117 @@
+"""Workloads of `kvpool bench cross-node` and the oracle they are judged against.
+
+- `multi_turn`: U users in G groups, R rounds each. Every group shares a system prompt;
+  round r's prompt is the conversation so far: system prompt, then for each earlier round
+  the user's message and a fixed synthetic reply, then this round's message. (Synthetic
+  replies keep the prompts identical across the pool-on and pool-off runs.)
+- `mooncake_trace`: a Mooncake-format JSONL trace. Each hash id becomes a fixed chunk of
+  `tokens_per_hash_id` tokens (the same id, the same tokens), so the sharing structure is
+  kept while prompts shrink to what a CPU model can serve; prompts are cut at a context
+  limit; arrival times come from the trace's timestamps.
+- The oracle: the prefix hit rate an infinite cache shared by every node reaches on the
+  same requests in the same order, counted exactly as the engine counts its hits (chained
+  block hashes; the last prompt token is always computed).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.block_pool import chain_seed, hash_blocks
+
+VOCAB_LO, VOCAB_HI = 100, 40000  # ordinary token ids of the model's vocabulary
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    session: str = ""          # requests of one session run one after another, in order
+    arrival_s: float = 0.0     # offset from the start (trace replay with time scaling)
+
+
+def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n))
+
+
+def multi_turn(users: int, rounds: int, groups: int, system_tokens: int, user_tokens: int, reply_tokens: int,
+               output_tokens: int, seed: int = 0) -> list[BenchRequest]:
+    """Requests in round-major order (a session's rounds stay in order)."""
+    if min(users, rounds, groups, output_tokens) < 1 or groups > users:
+        raise ValueError("users, rounds, groups and output tokens must be >= 1, and groups <= users")
+    rng = random.Random(seed)
+    systems = [_tokens(rng, system_tokens) for _ in range(groups)]
+    history = {u: systems[u % groups] for u in range(users)}
+    out = []
+    for r in range(rounds):
+        for u in range(users):
+            prompt = history[u] + _tokens(rng, user_tokens)
+            out.append(BenchRequest(f"u{u}-r{r}", prompt, output_tokens, session=f"u{u}"))
+            history[u] = prompt + _tokens(rng, reply_tokens)
+    return out
+
+
+def load_trace(path: str | Path, limit: int = 0) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if limit and i >= limit:
+                break
+            row = json.loads(line)
+            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+                if key not in row:
+                    raise ValueError(f"{path}:{i + 1}: missing {key!r}")
+            rows.append(row)
+    return rows
+
+
+def mooncake_trace(rows: list[dict], tokens_per_hash_id: int, max_prompt_tokens: int, max_output_tokens: int,
+                   time_scale: float = 1.0) -> list[BenchRequest]:
+    """Scaled prompts of a Mooncake trace (see the module docstring)."""
+    if tokens_per_hash_id < 1 or max_prompt_tokens < 2:
+        raise ValueError("tokens_per_hash_id must be >= 1 and max_prompt_tokens >= 2")
+    chunks: dict[int, tuple[int, ...]] = {}
+    out = []
+    for i, row in enumerate(rows):
+        prompt: list[int] = []
+        for h in row["hash_ids"]:
+            if h not in chunks:
+                chunks[h] = _tokens(random.Random(h), tokens_per_hash_id)
+            prompt.extend(chunks[h])
+            if len(prompt) >= max_prompt_tokens:
+                break
+        out.append(BenchRequest(f"t{i}", tuple(prompt[:max_prompt_tokens]),
+                                max(1, min(int(row["output_length"]), max_output_tokens)),
+                                arrival_s=row["timestamp"] / 1000.0 * time_scale))
+    return out
+
+
+def hash_id_oracle(rows: list[dict]) -> float:
+    """Block-level hit rate of the trace's hash ids with an infinite cache."""
+    seen: set[int] = set()
+    hits = total = 0
+    for row in rows:
+        ids = row["hash_ids"]
+        hits += sum(1 for h in ids if h in seen)
+        total += len(ids)
+        seen.update(ids)
+    return hits / total if total else 0.0
+
+
+def oracle_hits(requests: list[BenchRequest], block_size: int, fingerprint: str = "") -> list[int]:
+    """Per request, the prompt tokens an infinite shared cache would hit (in list order)."""
+    seed = chain_seed(fingerprint, None)
+    seen: set[bytes] = set()
+    out = []
+    for req in requests:
+        hashes = hash_blocks(seed, req.prompt, block_size)
+        limit = (len(req.prompt) - 1) // block_size
+        n = 0
+        while n < min(limit, len(hashes)) and hashes[n] in seen:
+            n += 1
+        out.append(n * block_size)
+        seen.update(hashes)
+    return out

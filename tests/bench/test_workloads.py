@@ -1,0 +1,78 @@
+"""Workload generators and the oracle of `kvpool bench cross-node`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool_bench.cross_node import route
+from kvpool_bench.workloads import BenchRequest, hash_id_oracle, load_trace, mooncake_trace, multi_turn, oracle_hits
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def test_oracle_on_a_hand_made_sequence() -> None:
+    a = tuple(range(100, 148))            # 3 blocks of 16
+    reqs = [BenchRequest("1", a, 1),
+            BenchRequest("2", a + (7,) * 16, 1),   # a's 3 blocks hit; its own 4th block is new
+            BenchRequest("3", a[:32] + (9,) * 17, 1),  # first 2 blocks hit, then it diverges
+            BenchRequest("4", a, 1),          # all 3 blocks seen, but the last token is computed: 2 blocks
+            BenchRequest("5", (5,) + a[1:], 1)]  # differs in token 0: nothing hits
+    assert oracle_hits(reqs, 16) == [0, 48, 32, 32, 0]
+
+
+def test_hash_id_oracle_of_a_hand_made_trace() -> None:
+    rows = [{"hash_ids": [0, 1, 2]}, {"hash_ids": [0, 1, 3]}, {"hash_ids": [4]}, {"hash_ids": [0, 1, 2, 5]}]
+    assert hash_id_oracle(rows) == pytest.approx((0 + 2 + 0 + 3) / 11)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="shared/data is not beside this checkout")
+def test_synthetic_trace_oracle_is_64_percent() -> None:
+    rows = load_trace(TRACE)
+    assert len(rows) == 3993
+    assert round(hash_id_oracle(rows), 3) == 0.640
+
+
+def test_trace_scaling_keeps_the_sharing_structure(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 1500, "output_length": 50, "hash_ids": [0, 1, 2]},
+            {"timestamp": 2000, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 9]},
+            {"timestamp": 3000, "input_length": 3000, "output_length": 9, "hash_ids": [4, 5, 6, 7, 8, 9]}]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    reqs = mooncake_trace(load_trace(path), tokens_per_hash_id=32, max_prompt_tokens=100, max_output_tokens=8,
+                          time_scale=0.5)
+    assert [len(r.prompt) for r in reqs] == [96, 96, 100]  # cut at the context limit
+    assert reqs[0].prompt[:64] == reqs[1].prompt[:64] and reqs[0].prompt[64:] != reqs[1].prompt[64:]
+    assert [r.max_tokens for r in reqs] == [8, 3, 8]
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 1.5]
+    # with chunks that are a multiple of the block size, the token-level oracle equals the id-level one
+    full = mooncake_trace(load_trace(path), 32, 10_000, 8)
+    hits = oracle_hits(full, 16)
+    assert hits == [0, 64, 0]
+
+
+def test_trace_rows_need_every_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 5}))
+    with pytest.raises(ValueError, match="missing 'output_length'"):
+        load_trace(path)
+
+
+def test_multi_turn_prompts_are_the_conversation_so_far() -> None:
+    reqs = multi_turn(users=3, rounds=3, groups=2, system_tokens=32, user_tokens=8, reply_tokens=4, output_tokens=2)
+    assert len(reqs) == 9 and [r.rid for r in reqs[:3]] == ["u0-r0", "u1-r0", "u2-r0"]
+    by = {r.rid: r for r in reqs}
+    for u in range(3):
+        r0, r1, r2 = by[f"u{u}-r0"], by[f"u{u}-r1"], by[f"u{u}-r2"]
+        assert len(r0.prompt) == 40 and len(r1.prompt) == 52 and len(r2.prompt) == 64
+        assert r1.prompt[:40] == r0.prompt and r2.prompt[:52] == r1.prompt
+    assert by["u0-r0"].prompt[:32] == by["u2-r0"].prompt[:32] != by["u1-r0"].prompt[:32]  # groups share a system prompt
+    with pytest.raises(ValueError):
+        multi_turn(2, 1, 3, 8, 8, 8, 1)
+
+
+def test_routing() -> None:
+    assert route("round-robin", 5, 2, 0) == [0, 1, 0, 1, 0]
+    r = route("random", 200, 3, 7)
+    assert r == route("random", 200, 3, 7) and set(r) == {0, 1, 2}
