@@ -247,13 +247,8 @@ def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: 
         ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "ttft_cdf.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, "TTFT CDF", out_dir / "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(summaries)
@@ -265,13 +260,17 @@ def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: 
     ax.axhline(oracle, color="k", linestyle="--", label=f"oracle {oracle:.0%}")
     ax.set_ylabel("prompt tokens hit")
     ax.set_ylim(0, 1)
-    ax.set_title("prefix hit rate")
+    paths.append(_save(plt, fig, ax, "prefix hit rate", out_dir / "hit_rate.png"))
+    return paths
+
+
+def _save(plt, fig, ax, title: str, path: Path) -> Path:  # noqa: ANN001
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "hit_rate.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def main(args: argparse.Namespace) -> int:

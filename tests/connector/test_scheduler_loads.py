@@ -70,6 +70,17 @@ def step(sched: Scheduler, sampled_token: int = 7, report: KVConnectorOutput | N
     return out
 
 
+def parked(sched: Scheduler, conn: ScriptedConnector, rid: str, n: int = 21, external: int = 16,
+           base: int = 0) -> Request:
+    """Add a request the connector has `external` tokens for, and step once: it is loading."""
+    r = req(rid, n, base)
+    conn.offer[rid] = external
+    sched.add_request(r)
+    step(sched)
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    return r
+
+
 def test_request_waits_for_its_load_while_others_run() -> None:
     sched, conn, pool = make()
     a, b = req("a", 21), req("b", 10, base=1000)
@@ -95,10 +106,7 @@ def test_request_waits_for_its_load_while_others_run() -> None:
 
 def test_failed_block_and_everything_after_it_are_recomputed() -> None:
     sched, conn, _ = make()
-    a = req("a", 21)
-    conn.offer["a"] = 16
-    sched.add_request(a)
-    step(sched)
+    a = parked(sched, conn, "a")
     blocks = conn.allocated["a"]
     step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={blocks[2]}))
     out = step(sched)
@@ -108,10 +116,7 @@ def test_failed_block_and_everything_after_it_are_recomputed() -> None:
 
 def test_fail_policy_ends_the_request_with_an_error() -> None:
     sched, conn, pool = make(policy="fail")
-    a = req("a", 21)
-    conn.offer["a"] = 16
-    sched.add_request(a)
-    step(sched)
+    a = parked(sched, conn, "a")
     step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={conn.allocated["a"][0]}))
     step(sched)
     assert a.status is RequestStatus.FINISHED_ERROR and "loading KV failed" in (a.error or "")
@@ -121,10 +126,7 @@ def test_fail_policy_ends_the_request_with_an_error() -> None:
 
 def test_abort_while_loading_frees_blocks_only_when_the_load_reports() -> None:
     sched, conn, pool = make()
-    a = req("a", 21)
-    conn.offer["a"] = 16
-    sched.add_request(a)
-    step(sched)
+    a = parked(sched, conn, "a")
     held = pool.num_blocks - pool.num_free
     assert held == 4
     sched.abort_request("a")
@@ -133,10 +135,7 @@ def test_abort_while_loading_frees_blocks_only_when_the_load_reports() -> None:
     step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={conn.allocated["a"][1]}))
     assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
     # the failed id of the aborted load does not taint the block's next owner
-    b = req("b", 21, base=500)
-    conn.offer["b"] = 16
-    sched.add_request(b)
-    step(sched)
+    b = parked(sched, conn, "b", base=500)
     step(sched, report=KVConnectorOutput(finished_recving={"b"}))
     step(sched)
     assert b.num_external_tokens == 16
@@ -144,10 +143,7 @@ def test_abort_while_loading_frees_blocks_only_when_the_load_reports() -> None:
 
 def test_abort_after_the_load_reported_frees_at_once() -> None:
     sched, conn, pool = make()
-    a = req("a", 21)
-    conn.offer["a"] = 16
-    sched.add_request(a)
-    step(sched)
+    a = parked(sched, conn, "a")
     sched.update_from_connector(KVConnectorOutput(finished_recving={"a"}))
     sched.abort_request("a")
     assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
@@ -155,10 +151,7 @@ def test_abort_after_the_load_reported_frees_at_once() -> None:
 
 def test_a_load_that_never_reports_times_out() -> None:
     sched, conn, pool = make(timeout_s=0.05)
-    a = req("a", 21)
-    conn.offer["a"] = 16
-    sched.add_request(a)
-    step(sched)
+    a = parked(sched, conn, "a")
     time.sleep(0.1)
     step(sched)
     assert a.status is RequestStatus.FINISHED_ERROR and "timed out" in (a.error or "")
