@@ -2,9 +2,10 @@
 `kvpool serve --kv-connector mooncake` with the real model, and a node with the connector
 off as the reference. Every output compared here is greedy and token for token.
 
-Nodes: A and B (the pair), A2 (a pool of exactly 65 slots, killed at the end) and B2 (waits
-`debug_load_delay_s` between its query and its read, so a test can overwrite or kill the
-source in between), C (connector off: what B computes on its own).
+Nodes: A and B (the pair), A2 (a pool of exactly 65 slots, killed at the end) and B2 (role
+kv_consumer, given as --kv-transfer-config JSON; waits `debug_load_delay_s` between its
+query and its read, so a test can overwrite or kill the source in between), C (connector
+off: what B computes on its own).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine
             "A2": EngineProcess(run / "A2.log", "node-a2", ms.address, pool_size=str(65 * slot_bytes_for(BLOCK_BYTES)),
                                 extra_args=ENGINE_ARGS),
             "B2": EngineProcess(run / "B2.log", "node-b2", ms.address, pool_size="256MiB", extra_args=ENGINE_ARGS,
-                                kv_transfer_config={"kv_connector": "mooncake",
+                                kv_transfer_config={"kv_connector": "mooncake", "kv_role": "kv_consumer",
                                                     "kv_connector_extra_config": {"debug_load_delay_s": 3}}),
             "C": EngineProcess(run / "C.log", "node-c", extra_args=ENGINE_ARGS),
         }
@@ -125,6 +126,7 @@ def test_source_killed_while_b_loads(nodes: dict[str, EngineProcess]) -> None:
     got = _parked_then(b2, prompt, a2.kill)
     assert not a2.alive()
     assert b2.stats()["failed_load_blocks"] - failed0 == 60
+    assert b2.stats()["pool_puts"] == 0  # a consumer loads but never saves
     assert out_ids(got) == out_ids(c.complete(prompt, 16))
 
 

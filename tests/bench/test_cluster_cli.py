@@ -1,0 +1,47 @@
+"""`kvpool cluster up / status / down` as a user runs them, across separate invocations."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.launch import http_json
+
+pytestmark = pytest.mark.slow
+
+
+def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cluster_up_status_down(tmp_path: Path) -> None:
+    run = tmp_path / "cluster"
+    up = kvpool("cluster", "up", "--nodes", "2", "--run-dir", str(run), "--pool-size", "128MiB",
+                "--engine-arg=--kv-cache-bytes=128MiB")
+    state = run / "cluster.json"
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        info = json.loads(state.read_text())
+        names = [p["name"] for p in info["processes"]]
+        assert names == ["etcd", "metaserver", "node-0", "node-1"]
+        for p in info["processes"][2:]:
+            assert http_json(p["address"] + "/health", timeout_s=5)[0] == 200
+            assert http_json(p["address"] + "/stats", timeout_s=5)[1]["pool_puts"] == 0  # connector on
+        again = kvpool("cluster", "up", "--run-dir", str(run))
+        assert again.returncode == 1 and "already runs" in again.stderr
+        st = kvpool("cluster", "status", "--run-dir", str(run))
+        assert st.returncode == 0 and st.stdout.count("running") == 4 and st.stdout.count(" ready") == 2
+    finally:
+        down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
+    assert down.returncode == 0 and down.stdout.count("stopped") == 4
+    assert not state.exists()
+    for p in info["processes"]:
+        assert not Path(f"/proc/{p['pid']}").exists() or b"kvpool" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
+    missing = kvpool("cluster", "status", "--run-dir", str(run))
+    assert missing.returncode == 1 and missing.stderr.startswith("kvpool cluster: error: no cluster")
+    assert os.path.exists(run / "node-0.log")
