@@ -1,9 +1,21 @@
 """engine: a vLLM-v1-style inference engine (paged KV cache, prefix caching, continuous
-batching, chunked prefill) that the KV connector plugs into."""
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import EngineError, LLMEngine
-from engine.outputs import RequestOutput
-from engine.request import RequestStatus, SamplingParams
+batching, chunked prefill) that the KV connector plugs into.
 
-__all__ = ["LLM", "EngineConfig", "EngineError", "LLMEngine", "RequestOutput", "RequestStatus", "SamplingParams"]
+The public names load on first use, so `import engine.cli` (the `kvpool` parser) does not
+import torch."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {"EngineConfig": "engine.config", "LLM": "engine.llm", "EngineError": "engine.llm_engine",
+           "LLMEngine": "engine.llm_engine", "RequestOutput": "engine.outputs", "RequestStatus": "engine.request",
+           "SamplingParams": "engine.request"}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:  # noqa: ANN401 - PEP 562 lazy attribute
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -13,10 +13,12 @@ import os
 import random
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvpool_bench.report import pct, write_report
+
+if TYPE_CHECKING:
+    import torch
 
 PARAGRAPH = ("The river bends around the old mill where the miller's family kept the ledgers of every harvest for "
              "two hundred years, noting rain, frost, prices and the names of the people who came to trade. ")
@@ -101,6 +103,7 @@ def prefix_hit_ttft(engine, tokenizer) -> tuple[float, float]:  # noqa: ANN001
 
 def run_hf(source: str, dtype: torch.dtype, prompts: list[list[int]], out_tokens: int, batch: int) -> dict:
     os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = Path(source)
@@ -127,6 +130,8 @@ def run_hf(source: str, dtype: torch.dtype, prompts: list[list[int]], out_tokens
 
 def main(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
+    import torch
+
     from engine.llm_engine import LLMEngine
     from engine.loader import load_model
 
