@@ -26,6 +26,7 @@ Worker side (runs next to the model and its KV cache, moves bytes):
     wait_for_save()                      block until this step's saves are issued
     get_finished(finished_req_ids) -> (sending, recving)   request ids done since the last call
     get_block_ids_with_load_errors() -> set[int]           block ids whose load failed
+    get_kv_connector_stats() -> dict                       counters (vLLM returns KVConnectorStats)
     shutdown()
 """
 from __future__ import annotations
@@ -59,9 +60,6 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 @dataclass(frozen=True)
@@ -116,6 +114,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (their KV must be recomputed)."""
         return set()
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """Counters for the engine's /stats and /metrics (names are the connector's)."""
+        return {}
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release resources (threads, registrations, sessions). Idempotent."""

@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.base import EngineContext, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -67,7 +67,6 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
 @dataclass(slots=True)
 class _Hit:
     num_computed_tokens: int                # local hit the query was made after
-    start_block: int
     locations: tuple[BlockLocation, ...]
     nodes: dict[NodeId, NodeRecord]
 
@@ -153,10 +152,10 @@ class MooncakeConnector(KVConnectorBase_V1):
         except MetaError as err:
             self.stats.query_errors += 1
             log.warning("query for %s failed, computing locally: %s", request.request_id, err)
-            return _Hit(num_computed_tokens, start, (), {})
+            return _Hit(num_computed_tokens, (), {})
         self.stats.hit_blocks += res.num_matched
         log.debug("query %s: %d of %d blocks hit", request.request_id, res.num_matched, end - start)
-        return _Hit(num_computed_tokens, start, res.locations, res.nodes)
+        return _Hit(num_computed_tokens, res.locations, res.nodes)
 
     def update_state_after_alloc(self, request: Request, blocks: list[int], num_external_tokens: int) -> None:
         hit = self._hits.pop(request.request_id, None)
@@ -253,9 +252,6 @@ class MooncakeConnector(KVConnectorBase_V1):
                 if self.pool.put(h, self._payload_addr(b), n):
                     self.stats.saved_blocks += 1
 
-    def has_pending_loads(self) -> bool:
-        return bool(self._loading)
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._issue_due(time.monotonic())
         for rid, (handle, spec, _) in list(self._loading.items()):
@@ -268,6 +264,16 @@ class MooncakeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> dict[str, float]:
+        """This half's counters (connector_*), and the node pool's (pool_*) on the worker side."""
+        out: dict[str, float] = {f"connector_{k}": v for k, v in asdict(self.stats).items()}
+        if self.pool is not None:
+            ps = self.pool.stats
+            out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
+                       pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
+                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published)
+        return out
 
     def shutdown(self) -> None:
         if self.pool is not None:

@@ -70,10 +70,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.block_pool, config.block_size, self.fingerprint)
         self.connector, self.connector_worker = self._make_connectors(config)
         kvt = config.kv_transfer_config
-        self.scheduler = Scheduler(SchedulerConfig(
-            config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
-            kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "recompute",
-            kv_load_timeout_s=kvt.kv_load_timeout_s if kvt else 30.0), self.kv, self.connector)
+        loads = {"kv_load_failure_policy": kvt.kv_load_failure_policy, "kv_load_timeout_s": kvt.kv_load_timeout_s} \
+            if kvt else {}
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                                                   config.enable_chunked_prefill, **loads), self.kv, self.connector)
         self.sampler = Sampler()
         self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler)
         self._ids = itertools.count()
@@ -184,12 +184,10 @@ class LLMEngine:
             "prefill_tokens": s.prefill_tokens, "local_hit_tokens": self.block_pool.hits,
             "remote_hit_tokens": s.remote_hit_tokens, "failed_load_blocks": s.failed_load_blocks,
             "num_requests_loading": len(s.loading), "num_preemptions": s.num_preemptions}
-        w = self.connector_worker
-        if w is not None and getattr(w, "pool", None) is not None:
-            ps = w.pool.stats
-            out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
-                       pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
-                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published)
+        for half in (self.connector, self.connector_worker):
+            if half is not None:
+                for k, v in half.get_kv_connector_stats().items():
+                    out[k] = out.get(k, 0) + v
         return out
 
     def prefix_cache_hit_rate(self) -> float:

@@ -51,5 +51,6 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         ids, pos, meta, logits_idx, reqs = self.prepare(out)
-        logits = self.model.forward(ids, pos, self.cache, meta, torch.tensor(logits_idx, dtype=torch.long, device=self.device))
+        logits_at = torch.tensor(logits_idx, dtype=torch.long, device=self.device)  # may be empty: no one samples
+        logits = self.model.forward(ids, pos, self.cache, meta, logits_at)
         return {r.request_id: s for r, s in zip(reqs, self.sampler.sample(logits.cpu(), reqs))}

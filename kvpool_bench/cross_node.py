@@ -26,6 +26,7 @@ from kvpool_bench.workloads import (BenchRequest, hash_id_oracle, load_trace, mo
                                     oracle_hits)
 
 BLOCK_SIZE = 16
+VOCAB_WARM = 1000  # the token of the warm-up prompts
 
 
 @dataclass
@@ -203,9 +204,6 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
         bar.close()
         moved = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes) - before
     return summarize(results, wall, oracle_tokens, moved), results
-
-
-VOCAB_WARM = 1000
 
 
 def print_table(summaries: dict[str, dict]) -> None:

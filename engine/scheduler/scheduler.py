@@ -63,7 +63,6 @@ class Scheduler:
         self.loading: dict[str, float] = {}          # request id -> load start (WAITING_FOR_REMOTE_KVS)
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self._held_blocks: set[str] = set()          # finished requests whose blocks the connector still uses
         self.finished_outside_step: list[Request] = []  # ended between steps (load failures); drained by the engine
         # counters, in tokens
         self.prefill_tokens = 0          # prompt tokens computed by the model
@@ -239,6 +238,8 @@ class Scheduler:
 
     def update_from_connector(self, output: KVConnectorOutput) -> None:
         """The worker side's report: finished loads (and failed blocks), finished sends."""
+        if self.connector is not None:
+            self.connector.update_connector_output(output)
         self._invalid_block_ids |= output.invalid_block_ids
         for rid in output.finished_recving:
             req = self.requests.get(rid)
@@ -251,7 +252,6 @@ class Scheduler:
             self._release(rid)
 
     def _release(self, rid: str) -> None:
-        self._held_blocks.discard(rid)
         self._invalid_block_ids.difference_update(self.kv.block_ids(rid))
         self.kv.free_by_id(rid)
 
@@ -295,9 +295,9 @@ class Scheduler:
         if rid in self._finished_recving:  # its load is over but was not picked up yet
             self._finished_recving.discard(rid)
             self.loading.pop(rid, None)
-        if hold:
-            self._held_blocks.add(rid)
-        elif rid not in self.loading:  # a load in flight still writes into the blocks: freed when it reports
+        # The blocks stay while the connector still sends them (freed when `finished_sending`
+        # reports the request) or a load in flight still writes into them (freed when it reports).
+        if not hold and rid not in self.loading:
             self.kv.free(req)
         if req in self.running:
             self.running.remove(req)

@@ -130,7 +130,8 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=request.app[ENGINE].metrics.render(), content_type="text/plain")
+    aeng = request.app[ENGINE]
+    return web.Response(text=aeng.metrics.render(aeng.engine.stats()), content_type="text/plain")
 
 
 @web.middleware

@@ -48,7 +48,6 @@ class Metrics:
         self.gauges = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
                        "prefix_cache_hit_rate": 0.0}
         self._first: dict[str, float] = {}
-        self.engine_stats: dict[str, float] = {}
 
     def on_output(self, out: RequestOutput) -> None:
         with self._lock:
@@ -74,9 +73,9 @@ class Metrics:
             self.gauges["num_requests_waiting"] = engine.scheduler.num_waiting
             self.gauges["kv_cache_usage_perc"] = engine.block_pool.usage()
             self.gauges["prefix_cache_hit_rate"] = engine.prefix_cache_hit_rate()
-            self.engine_stats = engine.stats()
 
-    def render(self) -> str:
+    def render(self, engine_stats: dict[str, float]) -> str:
+        """The exposition text; `engine_stats` are the engine's counters (`LLMEngine.stats()`)."""
         p = "kvpool:"
         lines: list[str] = []
         with self._lock:
@@ -84,7 +83,7 @@ class Metrics:
                 lines += [f"# TYPE {p}{k} gauge", f'{p}{k}{{model_name="{self.model}"}} {v}']
             for k, v in self.counters.items():
                 lines += [f"# TYPE {p}{k}_total counter", f'{p}{k}_total{{model_name="{self.model}"}} {v}']
-            for k, v in self.engine_stats.items():
+            for k, v in engine_stats.items():
                 lines += [f"# TYPE {p}engine_{k} gauge", f'{p}engine_{k}{{model_name="{self.model}"}} {v}']
             lines += self.ttft.render(f"{p}time_to_first_token_seconds", "Time to first token")
             lines += self.tpot.render(f"{p}time_per_output_token_seconds", "Time per output token after the first")
