@@ -29,3 +29,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
     touch "$stamp"
 fi
 "$VENV/bin/python" scripts/gen_proto.py
+VENV="$VENV" PYTHON="$PYTHON" scripts/install_helm.sh  # helm for tests/helm
