@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 
 from kvpool.layout import parse_size
 
@@ -39,7 +41,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-request-bytes", default="4MiB")
+    s.add_argument("--max-request-bytes", default="4MiB", help="larger request bodies get HTTP 413")
+    s.add_argument("--api-key-file", default="",
+                   help="file holding the API key the /v1/ routes require as `Authorization: Bearer <key>` "
+                        "(or env KVPOOL_API_KEY; unset = open)")
     g = sub.add_parser("generate", help="offline generation")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
@@ -105,15 +110,31 @@ def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
         return None
 
 
+def read_api_key(path: str) -> str:
+    """The HTTP API key from a file (stripped) or KVPOOL_API_KEY; "" = no key."""
+    if path:
+        key = Path(path).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get("KVPOOL_API_KEY", "").strip()
+
+
 def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from engine.server.app import build_app
 
+    try:
+        api_key = read_api_key(args.api_key_file)
+        max_request_bytes = parse_size(args.max_request_bytes)
+    except (OSError, ValueError) as err:
+        print(f"kvpool serve: error: {err}", file=sys.stderr)
+        return 2
     engine = _build_engine(args, "serve")
     if engine is None:
         return 1
-    app = build_app(engine, parse_size(args.max_request_bytes))
+    app = build_app(engine, max_request_bytes, api_key)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)

@@ -64,7 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("trace replay")
     t.add_argument("--trace", default="", help="Mooncake-format JSONL (e.g. shared/data/mooncake_synthetic_trace.jsonl)")
     t.add_argument("--tokens-per-hash-id", type=int, default=32)
-    t.add_argument("--max-requests", type=int, default=200, help="first N requests of the trace (0 = all)")
+    t.add_argument("--first-request", type=int, default=0,
+                   help="replay a window of the trace starting at this request (0-based)")
+    t.add_argument("--max-requests", type=int, default=200, help="N requests from --first-request (0 = to the end)")
     t.add_argument("--max-prompt-tokens", type=int, default=2048, help="cut prompts here (the context limit)")
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
@@ -178,10 +180,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
         return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups}
     if not args.trace:
         raise ValueError("--workload trace needs --trace PATH")
-    rows = load_trace(args.trace, args.max_requests)
+    rows = load_trace(args.trace, args.max_requests, args.first_request)
     reqs = mooncake_trace(rows, args.tokens_per_hash_id, args.max_prompt_tokens, args.output_tokens,
                           args.time_scale or 1.0)
-    return reqs, {"trace": str(args.trace), "trace_requests": len(rows), "hash_id_oracle_hit_rate": hash_id_oracle(rows),
+    return reqs, {"trace": str(args.trace), "first_request": args.first_request, "trace_requests": len(rows), "hash_id_oracle_hit_rate": hash_id_oracle(rows),
                   "tokens_per_hash_id": args.tokens_per_hash_id}
 
 

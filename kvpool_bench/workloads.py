@@ -54,17 +54,26 @@ def multi_turn(users: int, rounds: int, groups: int, system_tokens: int, user_to
     return out
 
 
-def load_trace(path: str | Path, limit: int = 0) -> list[dict]:
+def load_trace(path: str | Path, limit: int = 0, start: int = 0) -> list[dict]:
+    """Rows `start` .. `start + limit` of a trace (limit 0 = to the end), arrival times
+    shifted so that the window's first request arrives at 0."""
+    if start < 0 or limit < 0:
+        raise ValueError("the first request and the request limit must be >= 0")
     rows = []
     with open(path) as f:
         for i, line in enumerate(f):
-            if limit and i >= limit:
+            if i < start:
+                continue
+            if limit and i >= start + limit:
                 break
             row = json.loads(line)
             for key in ("timestamp", "input_length", "output_length", "hash_ids"):
                 if key not in row:
                     raise ValueError(f"{path}:{i + 1}: missing {key!r}")
             rows.append(row)
+    if rows:
+        t0 = rows[0]["timestamp"]
+        rows = [{**row, "timestamp": row["timestamp"] - t0} for row in rows]
     return rows
 
 

@@ -6,6 +6,7 @@ server and the other requests carry on.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -145,8 +146,26 @@ async def errors(request: web.Request, handler):  # noqa: ANN001, ANN201
         raise
 
 
-def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=max_request_bytes)
+def api_key_middleware(api_key: str):  # noqa: ANN201
+    """With an API key set, the /v1/ routes need `Authorization: Bearer <key>` (as vLLM's
+    --api-key); /health, /metrics and /stats stay open for probes and scrapers."""
+    want = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):  # noqa: ANN001, ANN202
+        if request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, want):
+                return _json_error(401, error_body("invalid or missing API key (Authorization: Bearer <key>)",
+                                                   "authentication_error", "invalid_api_key"))
+        return await handler(request)
+
+    return check
+
+
+def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str = "") -> web.Application:
+    middlewares = [errors] + ([api_key_middleware(api_key)] if api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
     aeng = AsyncEngine(engine, Metrics(engine.model_name))
     app[ENGINE] = aeng
     app.router.add_post("/v1/completions", completions)

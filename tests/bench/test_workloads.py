@@ -52,6 +52,18 @@ def test_trace_scaling_keeps_the_sharing_structure(tmp_path: Path) -> None:
     assert hits == [0, 64, 0]
 
 
+def test_a_trace_window_starts_at_its_first_request(tmp_path: Path) -> None:
+    rows = [{"timestamp": 1000 * i, "input_length": 10, "output_length": 1, "hash_ids": [i]} for i in range(6)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    window = load_trace(path, limit=3, start=2)
+    assert [r["hash_ids"] for r in window] == [[2], [3], [4]]
+    assert [r["timestamp"] for r in window] == [0, 1000, 2000]  # arrivals relative to the window
+    assert [r["hash_ids"] for r in load_trace(path, start=4)] == [[4], [5]]
+    with pytest.raises(ValueError, match=">= 0"):
+        load_trace(path, start=-1)
+
+
 def test_trace_rows_need_every_field(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"timestamp": 0, "input_length": 5}))

@@ -85,6 +85,30 @@ def test_b_pulls_a_prefix_from_a_and_matches_local_compute(nodes: dict[str, Engi
     assert out_ids(got) == out_ids(want)
 
 
+def test_cache_salt_isolates_tenants_locally_and_across_nodes(nodes: dict[str, EngineProcess]) -> None:
+    """A tenant's blocks (vLLM's per-request `cache_salt`) are matched only by requests with
+    the same salt: on the node that computed them and on every node that reads the pool."""
+    a, b, c = nodes["A"], nodes["B"], nodes["C"]
+    prompt = tokens(11, 320)
+    published = a.stats().get("pool_published", 0)
+    a.complete(prompt, 4, cache_salt="tenant-a")
+    wait_published(a, published + 320 // BS)
+
+    def details(node: EngineProcess, suffix_seed: int, **salt: str) -> tuple[dict, dict]:
+        body = node.complete(prompt + tokens(suffix_seed, 20), 8, **salt)
+        return body["usage"]["prompt_tokens_details"], body
+
+    # each of these computes (and publishes) the prompt under its own salt, so every salt is tried once
+    for node, seed, salt in ((b, 12, {"cache_salt": "tenant-b"}), (a, 13, {}), (b, 14, {"cache_salt": "tenant-c"})):
+        d, _ = details(node, seed, **salt)
+        assert d["local_cached_tokens"] == 0 and d["remote_cached_tokens"] == 0, (node.node_id, salt, d)
+    d, got = details(b, 16, cache_salt="tenant-a")
+    assert d["remote_cached_tokens"] == 320 and d["local_cached_tokens"] == 0
+    assert out_ids(got) == out_ids(c.complete(prompt + tokens(16, 20), 8, cache_salt="tenant-a"))
+    d, _ = details(a, 17, cache_salt="tenant-a")
+    assert d["local_cached_tokens"] == 320
+
+
 def _parked_then(b: EngineProcess, prompt: list[int], action) -> dict:  # noqa: ANN001
     """Send `prompt` to b; once it waits for its load, run `action`; return b's answer."""
     result: dict = {}

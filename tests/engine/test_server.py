@@ -1,7 +1,9 @@
-"""`kvpool serve` as a real process: the OpenAI API, streaming, metrics and bad requests."""
+"""`kvpool serve` as a real process: the OpenAI API, streaming, metrics and bad requests.
+The server runs with an API key (KVPOOL_API_KEY) and a 64 KiB request limit; `call` sends the key."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,16 +13,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metaserver.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "sk-test-4f9b2c71e0d3"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 pytestmark = pytest.mark.slow
 
 
-def call(base: str, path: str, body: object | bytes | None = None, timeout: float = 120) -> tuple[int, object]:
+def call(base: str, path: str, body: object | bytes | None = None, timeout: float = 120,
+         headers: dict[str, str] | None = None) -> tuple[int, object]:
     data = body if isinstance(body, bytes) else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(base + path, data=data,
+                                 headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read().decode()
@@ -34,12 +42,18 @@ def call(base: str, path: str, body: object | bytes | None = None, timeout: floa
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:  # noqa: ANN001
+def server_log(tmp_path_factory) -> Path:  # noqa: ANN001
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log: Path) -> Iterator[str]:
     port = free_port()
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool", "serve", "--port", str(port), "--kv-cache-bytes",
-                             "256MiB", "--max-model-len", "2048", "--threads", "2"], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    log = open(server_log, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "DEBUG", "serve", "--port", str(port),
+                             "--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--threads", "2",
+                             "--max-request-bytes", "64KiB"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "KVPOOL_API_KEY": API_KEY})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -80,7 +94,7 @@ def test_streaming_matches_non_streaming(server: str) -> None:
     _, whole = call(server, "/v1/chat/completions", req)
     r = urllib.request.Request(server + "/v1/chat/completions", data=json.dumps(
         dict(req, stream=True, stream_options={"include_usage": True})).encode(),
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json", **AUTH})
     chunks = []
     with urllib.request.urlopen(r, timeout=120) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -147,3 +161,73 @@ def test_metrics(server: str) -> None:
         assert name in text, name
     ttft_count = next(line for line in text.splitlines() if line.startswith("kvpool:time_to_first_token_seconds_count"))
     assert int(ttft_count.split()[-1]) >= 1
+
+
+def test_the_api_key_guards_the_v1_routes(server: str, server_log: Path) -> None:
+    body = {"prompt": "Hello", "max_tokens": 2}
+    before = call(server, "/stats")[1]["prefill_tokens"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, err = call(server, "/v1/completions", body, headers=headers)
+        assert status == 401 and err["error"]["type"] == "authentication_error", err
+        assert call(server, "/v1/models", headers=headers)[0] == 401
+    assert call(server, "/stats")[1]["prefill_tokens"] == before  # rejected requests computed nothing
+    assert call(server, "/health", headers={})[0] == 200  # probes need no key
+    assert call(server, "/v1/completions", body)[0] == 200
+    assert API_KEY not in server_log.read_text()
+
+
+def test_oversized_requests_get_413(server: str) -> None:
+    status, err = call(server, "/v1/completions", {"prompt": "x" * (80 << 10), "max_tokens": 2})
+    assert status == 413 and err["error"]["type"] == "invalid_request_error", err
+    assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+
+
+# ---- fuzzed input: malformed JSON and out-of-range fields --------------------------------
+
+def _fuzz_bodies() -> st.SearchStrategy:
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=False),
+                       st.text(max_size=20))
+    anything = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                            st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                            max_leaves=8)
+    # max_tokens is never a large valid value: a valid body would then decode for a long time
+    max_tokens = st.one_of(st.integers(1, 3), st.integers(-(1 << 40), 0), st.integers((1 << 20) + 1, 1 << 40),
+                           st.text(max_size=4), st.floats(), st.booleans())
+    prompt = st.one_of(st.text(max_size=40), st.lists(st.integers(-(1 << 33), 1 << 33), max_size=8), anything)
+    messages = st.one_of(anything, st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]), "content": scalar}), max_size=3))
+    fields = {"model": st.one_of(st.just("SmolLM2-135M-Instruct"), anything), "n": anything, "stop": anything,
+              "stop_token_ids": anything, "logprobs": anything, "top_logprobs": anything, "temperature": anything,
+              "top_p": anything, "top_k": anything, "seed": anything, "cache_salt": anything,
+              "stream": st.one_of(st.just(False), anything), "stream_options": anything,
+              "return_token_ids": anything, "ignore_eos": st.just(False), "unknown_field": anything}
+    body = st.fixed_dictionaries({"prompt": prompt, "messages": messages, "max_tokens": max_tokens},
+                                 optional=fields)
+    raw = st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode))
+    return st.one_of(body, anything, raw)
+
+
+def test_fuzzed_requests_get_clear_errors_and_change_nothing(server: str) -> None:
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=_fuzz_bodies(), chat=st.booleans())
+    def run(body: object, chat: bool) -> None:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        before = call(server, "/stats")[1]
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, answer = call(server, path, data, timeout=60)
+        seen[status] = seen.get(status, 0) + 1
+        assert status in (200, 400), (status, answer, data[:200])
+        if status == 400:
+            assert isinstance(answer, dict) and answer["error"]["type"] == "invalid_request_error"
+            assert answer["error"]["message"], answer
+            after = call(server, "/stats")[1]
+            assert after["prefill_tokens"] == before["prefill_tokens"]  # nothing was computed or cached
+            assert after["num_requests_loading"] == 0
+
+    run()
+    assert seen.get(400, 0) > 50, seen  # the fuzzer reached the validation, not only the happy path
+    assert call(server, "/health")[0] == 200
+    assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
