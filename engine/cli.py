@@ -42,6 +42,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-request-bytes", default="4MiB", help="larger request bodies get HTTP 413")
+    s.add_argument("--max-pending-requests", type=int, default=0,
+                   help="answer HTTP 503 (overloaded) beyond this many requests in flight; 0 = no limit")
     s.add_argument("--api-key-file", default="",
                    help="file holding the API key the /v1/ routes require as `Authorization: Bearer <key>` "
                         "(or env KVPOOL_API_KEY; unset = open)")
@@ -128,13 +130,15 @@ def serve(args: argparse.Namespace) -> int:
     try:
         api_key = read_api_key(args.api_key_file)
         max_request_bytes = parse_size(args.max_request_bytes)
+        if args.max_pending_requests < 0:
+            raise ValueError("--max-pending-requests must be >= 0")
     except (OSError, ValueError) as err:
         print(f"kvpool serve: error: {err}", file=sys.stderr)
         return 2
     engine = _build_engine(args, "serve")
     if engine is None:
         return 1
-    app = build_app(engine, max_request_bytes, api_key)
+    app = build_app(engine, max_request_bytes, api_key, args.max_pending_requests)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)

@@ -18,7 +18,7 @@ from aiohttp import web
 from engine.llm_engine import EngineError, LLMEngine
 from engine.server.async_engine import AsyncEngine
 from engine.server.metrics import Metrics
-from engine.server.protocol import BadRequest, completion_body, error_body, logprobs_body, parse, usage
+from engine.server.protocol import BadRequest, ParsedRequest, completion_body, error_body, logprobs_body, parse, usage
 
 log = logging.getLogger(__name__)
 ENGINE = web.AppKey("engine", AsyncEngine)
@@ -53,6 +53,21 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return _json_error(400, err.body())
     if aeng.dead:
         return _json_error(503, error_body(aeng.dead, "server_error"))
+    if not aeng.admit():
+        resp = _json_error(503, error_body(f"the server is overloaded ({aeng.in_flight} requests in flight, "
+                                           f"--max-pending-requests {aeng.max_in_flight}); retry later",
+                                           "server_error", "overloaded"))
+        resp.headers["Retry-After"] = "1"
+        return resp
+    try:
+        return await _run(request, aeng, parsed, prompt_ids, chat)
+    finally:
+        aeng.release()
+
+
+async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, prompt_ids: list[int],
+               chat: bool) -> web.StreamResponse:
+    eng: LLMEngine = aeng.engine
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     outputs = aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt)
     if not parsed.stream:
@@ -126,8 +141,11 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic)."""
-    return web.json_response(request.app[ENGINE].engine.stats())
+    """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic), and the
+    server's admission counters."""
+    aeng = request.app[ENGINE]
+    return web.json_response({**aeng.engine.stats(), "http_in_flight": aeng.in_flight,
+                              "http_rejected_overloaded": aeng.rejected})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -163,10 +181,13 @@ def api_key_middleware(api_key: str):  # noqa: ANN201
     return check
 
 
-def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str = "") -> web.Application:
+def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str = "",
+              max_pending_requests: int = 0) -> web.Application:
+    """`max_pending_requests` > 0: a generation request beyond that many in flight (running
+    or waiting) gets HTTP 503 (type server_error, code overloaded, Retry-After) at once."""
     middlewares = [errors] + ([api_key_middleware(api_key)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
-    aeng = AsyncEngine(engine, Metrics(engine.model_name))
+    aeng = AsyncEngine(engine, Metrics(engine.model_name), max_pending_requests)
     app[ENGINE] = aeng
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

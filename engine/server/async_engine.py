@@ -32,13 +32,27 @@ class _Submit:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_in_flight: int = 0) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_in_flight = max_in_flight  # 0 = no admission limit
+        self.in_flight = 0                   # admitted HTTP requests not answered yet (event-loop side)
+        self.rejected = 0
         self._inbox: queue.Queue[_Submit | str | None] = queue.Queue()
         self._sinks: dict[str, _Submit] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.dead: str | None = None
+
+    def admit(self) -> bool:
+        """Admission control, called on the event loop: False when the server is full."""
+        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+            self.rejected += 1
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
 
     def start(self) -> None:
         self._thread.start()

@@ -1,5 +1,6 @@
 """`kvpool serve` as a real process: the OpenAI API, streaming, metrics and bad requests.
-The server runs with an API key (KVPOOL_API_KEY) and a 64 KiB request limit; `call` sends the key."""
+The server runs with an API key (KVPOOL_API_KEY), a 64 KiB request limit and at most 3
+requests in flight; `call` sends the key."""
 from __future__ import annotations
 
 import json
@@ -52,7 +53,7 @@ def server(server_log: Path) -> Iterator[str]:
     log = open(server_log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "DEBUG", "serve", "--port", str(port),
                              "--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--threads", "2",
-                             "--max-request-bytes", "64KiB"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                             "--max-request-bytes", "64KiB", "--max-pending-requests", "3"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "KVPOOL_API_KEY": API_KEY})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -179,6 +180,24 @@ def test_the_api_key_guards_the_v1_routes(server: str, server_log: Path) -> None
 def test_oversized_requests_get_413(server: str) -> None:
     status, err = call(server, "/v1/completions", {"prompt": "x" * (80 << 10), "max_tokens": 2})
     assert status == 413 and err["error"]["type"] == "invalid_request_error", err
+    assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+
+
+def test_requests_beyond_the_limit_get_503_overloaded(server: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = call(server, "/stats")[1]
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 48, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as ex:
+        answers = list(ex.map(lambda _: call(server, "/v1/completions", body), range(8)))
+    ok = [b for s, b in answers if s == 200]
+    overloaded = [b for s, b in answers if s == 503]
+    assert len(ok) + len(overloaded) == 8 and 1 <= len(ok) and len(overloaded) >= 1, [s for s, _ in answers]
+    assert all(b["error"]["code"] == "overloaded" and "overloaded" in b["error"]["message"] for b in overloaded)
+    assert all(b["usage"]["completion_tokens"] == 48 for b in ok)
+    after = call(server, "/stats")[1]
+    assert after["http_rejected_overloaded"] - before["http_rejected_overloaded"] == len(overloaded)
+    assert after["http_in_flight"] == 0
     assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
 
 
