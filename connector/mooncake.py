@@ -272,7 +272,9 @@ class MooncakeConnector(KVConnectorBase_V1):
             ps = self.pool.stats
             out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
                        pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
-                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published)
+                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published,
+                       pool_unpublished=ps.unpublished, pool_blocks=len(self.pool), pool_slots=self.pool.num_slots,
+                       pool_publishing=int(self.pool.publishing))
         return out
 
     def shutdown(self) -> None:

@@ -52,7 +52,7 @@ def _run_metaserver(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, transfer_bench
+    from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, soak, transfer_bench
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
@@ -61,6 +61,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     engine_bench.add_parser(benches)
     connector_bench.add_parser(benches)
     cross_node.add_parser(benches)
+    soak.add_parser(benches)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, transfer_bench
+        from kvpool_bench import connector_bench, cross_node, engine_bench, metaserver_bench, soak, transfer_bench
 
         benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main,
-                   "connector": connector_bench.main, "cross-node": cross_node.main}
+                   "connector": connector_bench.main, "cross-node": cross_node.main, "soak": soak.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from engine import cli as engine_cli

@@ -118,6 +118,11 @@ class NodePool:
         return self._publisher is None or self._publisher.flush(timeout_s)
 
     @property
+    def publishing(self) -> bool:
+        """Blocks put but not yet sent to the metaserver."""
+        return self._publisher is not None and not self._publisher.idle
+
+    @property
     def node_id(self) -> NodeId:
         return NodeId(self.config.node_id)
 

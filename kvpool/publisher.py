@@ -44,6 +44,11 @@ class Publisher:
         self._idle.clear()
         self._queue.put(record)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being sent."""
+        return self._idle.is_set()
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything queued so far was sent (tests, shutdown)."""
         return self._idle.wait(timeout_s)
