@@ -94,8 +94,13 @@ class MooncakeConnector(KVConnectorBase_V1):
         self.node_id: str = config.extra("node_id") or _default_node_id()
         self.stats = ConnectorStats()
         from metaserver.client import MetaClient
+        from metaserver.credentials import ClientSecurity
 
-        self._client = MetaClient(str(metaserver), timeout_s=float(config.extra("rpc_timeout_s", 5.0)))
+        security = ClientSecurity.from_files(
+            tls_ca_file=config.extra("metaserver_tls_ca", ""), tls_cert_file=config.extra("metaserver_tls_cert", ""),
+            tls_key_file=config.extra("metaserver_tls_key", ""), token_file=config.extra("metaserver_token_file", ""))
+        self._client = MetaClient(str(metaserver), timeout_s=float(config.extra("rpc_timeout_s", 5.0)),
+                                  security=security)
         self._query_timeout_s = float(config.extra("query_timeout_s", 1.0))
         # scheduler side
         self._hits: dict[str, _Hit] = {}

@@ -3,18 +3,26 @@
 Tables for people, `--json` for scripts. Exit codes: 0 ok, 1 the server refused the
 request (its gRPC status and message are printed), 2 bad arguments, 3 no metaserver
 reachable, 4 aborted at the confirmation prompt. Errors are one line on stderr.
+
+A secured metaserver: `--tls-ca` (and `--tls-cert/--tls-key` for mutual TLS); the token
+from `--token-file`, else from the environment variable KVPOOL_ADMIN_TOKEN. The token is
+never printed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from metaserver.client import MetaClient
+from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, Unavailable
-from metaserver.types import BlockHash, BlockRecord
+from metaserver.types import BlockHash, BlockRecord, NodeRecord
+
+TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 
 EXIT_SERVER, EXIT_ARGS, EXIT_UNREACHABLE, EXIT_ABORTED = 1, 2, 3, 4
 
@@ -28,6 +36,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--metaserver", required=True, help="HOST:PORT[,HOST:PORT] of metaserver replicas")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call in seconds")
+    p.add_argument("--tls-ca", default="", help="PEM CA that signed the metaserver's certificate (turns on TLS)")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default="", help="PEM key of --tls-cert")
+    p.add_argument("--tls-server-name", default="", help="name to verify in the server certificate")
+    p.add_argument("--token-file", default="", help=f"file holding the admin token (default: ${TOKEN_ENV})")
     cmds = p.add_subparsers(dest="admin_cmd", required=True, metavar="COMMAND")
     cmds.add_parser("nodes", help="list registered nodes")
     cmds.add_parser("stats", help="index and replica statistics")
@@ -67,12 +80,26 @@ def _table(rows: list[list[object]], header: list[str]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
+def _node_dict(node: NodeRecord) -> dict[str, object]:
+    data = asdict(node)
+    del data["session_digest"]  # server-side only (and never sent)
+    return data
+
+
+def _security(args: argparse.Namespace) -> ClientSecurity:
+    if args.token_file:
+        return ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file,
+                                         args.tls_server_name)
+    return ClientSecurity(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name,
+                          os.environ.get(TOKEN_ENV, "").strip())
+
+
 def _run(args: argparse.Namespace, client: MetaClient) -> tuple[object, str]:
     """Perform the command; returns (json-able result, human text)."""
     cmd = args.admin_cmd
     if cmd == "nodes":
         nodes = client.list_nodes()
-        data = [dict(asdict(n), num_blocks=k) for n, k in nodes]
+        data = [dict(_node_dict(n), num_blocks=k) for n, k in nodes]
         rows = [[n.node_id, n.session_address, n.namespace, n.capacity_bytes, k, f"{n.lease_id:x}",
                  "draining" if n.draining else "active"] for n, k in nodes]
         return data, _table(rows, ["NODE", "SESSION", "NAMESPACE", "CAPACITY_BYTES", "BLOCKS", "LEASE", "STATE"])
@@ -142,7 +169,7 @@ def _confirm(question: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        with MetaClient(args.metaserver, timeout_s=args.timeout) as client:
+        with MetaClient(args.metaserver, timeout_s=args.timeout, security=_security(args)) as client:
             data, text = _run(args, client)
     except ArgError as err:
         print(f"kvpool admin: error: {err}", file=sys.stderr)

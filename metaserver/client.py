@@ -5,6 +5,11 @@ and by `kvpool admin`. Every call has a deadline; a failed call raises the typed
 `metaserver.errors` exception for its status. With several endpoints, a call that finds
 its replica unreachable moves on to the next one.
 
+Security (`ClientSecurity`): TLS (optionally with a client certificate) and a bearer token
+sent with every call. The client keeps the session token each RegisterNode returns and
+sends it (`kvpool-node-session` metadata) with that node's later calls, so a node token
+can act for the nodes this client registered (see `metaserver.auth`).
+
 Thread safety: MetaClient may be shared by threads (gRPC channels are thread-safe).
 """
 from __future__ import annotations
@@ -13,13 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
+from metaserver.auth import SESSION_KEY
+from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
 from metaserver.store import node_from_pb
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
@@ -47,10 +54,13 @@ class ServerStats:
 class Registration:
     lease_id: int
     lease_ttl_s: int
+    session_token: str = field(default="", repr=False)  # proof of this registration; secret
 
 
 class MetaClient:
-    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0,
+                 security: ClientSecurity | None = None) -> None:
+        """Channels are opened now (TLS files are read now: ValueError if unreadable)."""
         eps = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
         self.endpoints = [e.strip() for e in eps if e.strip()]
         if not self.endpoints:
@@ -60,10 +70,13 @@ class MetaClient:
         # backoff to the same address (it would fail fast for up to a second after a restart).
         options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
-        self._channels = [grpc.insecure_channel(ep, options=options) for ep in self.endpoints]
+        self.security = security or ClientSecurity()
+        self._channels = [self.security.channel(ep, options) for ep in self.endpoints]
         self._stubs = [pb_grpc.MetaServiceStub(ch) for ch in self._channels]
+        self._metadata = self.security.call_metadata()
         self._current = 0
         self._lock = threading.Lock()
+        self._sessions: dict[str, str] = {}  # node id -> session token of its registration
 
     def close(self) -> None:
         for ch in self._channels:
@@ -75,12 +88,16 @@ class MetaClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _rpc(self, method: str, request: object, timeout_s: float | None = None) -> T:  # type: ignore[type-var]
+    def _rpc(self, method: str, request: object, timeout_s: float | None = None,
+             node_id: str | None = None) -> T:  # type: ignore[type-var]
         """Call `method` within one deadline. A replica that is unreachable is skipped for the
-        next endpoint; when none answers, rounds repeat (briefly spaced) until the deadline."""
+        next endpoint; when none answers, rounds repeat (briefly spaced) until the deadline.
+        With `node_id`, the session token of that node's registration goes along."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         with self._lock:
             start = self._current
+            session = self._sessions.get(node_id, "") if node_id is not None else ""
+        metadata = (*self._metadata, (SESSION_KEY, session)) if session else self._metadata
         last: grpc.RpcError | None = None
         while True:
             for i in range(len(self._stubs)):
@@ -89,7 +106,7 @@ class MetaClient:
                 if remaining <= 0:
                     break
                 try:
-                    resp = getattr(self._stubs[idx], method)(request, timeout=remaining)
+                    resp = getattr(self._stubs[idx], method)(request, timeout=remaining, metadata=metadata)
                 except grpc.RpcError as err:
                     if err.code() not in _FAILOVER_CODES:
                         raise from_rpc_error(err) from None
@@ -110,16 +127,26 @@ class MetaClient:
 
     def register_node(self, node_id: str, session_address: str, buffer_address: int, capacity_bytes: int,
                       layout_fingerprint: str, lease_ttl_s: int = 0) -> Registration:
+        """Register (or replace this client's registration of) `node_id`; its new session
+        token is kept for the node's later calls."""
         resp = self._rpc("RegisterNode", pb.RegisterNodeRequest(
             node_id=node_id, session_address=session_address, buffer_address=buffer_address,
-            capacity_bytes=capacity_bytes, layout_fingerprint=layout_fingerprint, lease_ttl_s=lease_ttl_s))
-        return Registration(resp.lease_id, resp.lease_ttl_s)
+            capacity_bytes=capacity_bytes, layout_fingerprint=layout_fingerprint, lease_ttl_s=lease_ttl_s),
+            node_id=node_id)
+        with self._lock:
+            self._sessions[node_id] = resp.session_token
+        return Registration(resp.lease_id, resp.lease_ttl_s, resp.session_token)
 
     def keepalive(self, node_id: str, lease_id: int) -> int:
-        return self._rpc("KeepAlive", pb.KeepAliveRequest(node_id=node_id, lease_id=lease_id)).lease_ttl_s
+        return self._rpc("KeepAlive", pb.KeepAliveRequest(node_id=node_id, lease_id=lease_id),
+                         node_id=node_id).lease_ttl_s
 
     def unregister_node(self, node_id: str, lease_id: int) -> int:
-        return self._rpc("UnregisterNode", pb.UnregisterNodeRequest(node_id=node_id, lease_id=lease_id)).num_blocks_removed
+        n = self._rpc("UnregisterNode", pb.UnregisterNodeRequest(node_id=node_id, lease_id=lease_id),
+                      node_id=node_id).num_blocks_removed
+        with self._lock:
+            self._sessions.pop(node_id, None)
+        return n
 
     # ---- blocks ---------------------------------------------------------------------
 
@@ -127,10 +154,11 @@ class MetaClient:
         msg = pb.PublishRequest(node_id=node_id, blocks=[
             pb.BlockRecord(block_hash=r.block_hash, offset=r.offset, size_bytes=r.size_bytes, generation=r.generation)
             for r in records])
-        return self._rpc("Publish", msg).num_published
+        return self._rpc("Publish", msg, node_id=node_id).num_published
 
     def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:
-        return self._rpc("Unpublish", pb.UnpublishRequest(node_id=node_id, block_hashes=list(hashes))).num_removed
+        return self._rpc("Unpublish", pb.UnpublishRequest(node_id=node_id, block_hashes=list(hashes)),
+                         node_id=node_id).num_removed
 
     def query_prefix(self, namespace: str, hashes: Sequence[bytes], requester_node_id: str = "",
                      timeout_s: float | None = None) -> QueryResult:

@@ -1,7 +1,9 @@
 """Configuration of the metadata server: one frozen dataclass, validated on construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from metaserver.auth import check_token
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,14 @@ class MetaServerConfig:
     etcd_timeout_s: float = 2.0                     # deadline of every etcd call
     etcd_retry_s: float = 0.2                       # first backoff after etcd failed
     shutdown_flush_s: float = 5.0                   # SIGTERM: time to write the queue through
+    # TLS (PEM files; all "" = plaintext gRPC). A client CA turns on mutual TLS: every
+    # client must present a certificate it signed.
+    tls_cert_file: str = ""                         # server certificate chain
+    tls_key_file: str = ""                          # its private key
+    tls_client_ca_file: str = ""                    # CA bundle that signs client certificates
+    # Bearer tokens (metaserver.auth); both "" = every call is open. Never logged.
+    admin_token: str = field(default="", repr=False)
+    node_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -48,6 +58,24 @@ class MetaServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.etcd_timeout_s <= 0 or self.etcd_retry_s <= 0:
             raise ValueError("etcd_timeout_s and etcd_retry_s must be > 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("--tls-client-ca (mutual TLS) needs TLS: give --tls-cert and --tls-key too")
+        if self.admin_token:
+            check_token(self.admin_token, "the admin token")
+        if self.node_token:
+            check_token(self.node_token, "the node token")
+        if self.admin_token and self.admin_token == self.node_token:
+            raise ValueError("the admin token and the node token must differ")
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    @property
+    def auth(self) -> bool:
+        return bool(self.admin_token or self.node_token)
 
     @property
     def replica_name(self) -> str:

@@ -83,9 +83,10 @@ class BlockIndex:
         return hashes
 
     def remove_hashes(self, namespace: Namespace, hashes: Iterable[BlockHash]) -> list[tuple[NodeId, BlockHash]]:
-        """Drop every copy of `hashes` in `namespace`; returns the (node, hash) pairs dropped."""
+        """Drop every copy of `hashes` in `namespace`; returns the (node, hash) pairs dropped,
+        each once (a hash given twice is dropped once)."""
         ns_map = self._blocks.get(namespace, {})
-        dropped = [(node_id, h) for h in hashes for node_id in list(ns_map.get(h, ()))]
+        dropped = [(node_id, h) for h in dict.fromkeys(hashes) for node_id in list(ns_map.get(h, ()))]
         for node_id, h in dropped:
             self.remove_block(node_id, h)
         return dropped

@@ -6,6 +6,7 @@ Each process binds 127.0.0.1 only, logs to a file the caller owns, and is ended 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from metaserver.credentials import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +110,16 @@ class EtcdProcess:
         self.stop()
 
 
-def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
-    """Poll grpc.health.v1 at `address` until `service` is SERVING; TimeoutError otherwise."""
+def wait_serving(address: str, timeout_s: float, service: str = "", security: ClientSecurity | None = None) -> None:
+    """Poll grpc.health.v1 at `address` until `service` is SERVING; TimeoutError otherwise.
+    `security`: TLS credentials for a TLS server (health needs no token)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from metaserver.credentials import ClientSecurity
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with (security or ClientSecurity()).channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:
@@ -135,10 +143,10 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def spawn(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool") -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvpool", *args], stdout=logf,
+            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
     def alive(self) -> bool:
@@ -169,15 +177,22 @@ class ChildProcess:
 
 
 class MetaserverProcess(ChildProcess):
-    """One `kvpool metaserver` replica as a child process on 127.0.0.1."""
+    """One `kvpool metaserver` replica as a child process on 127.0.0.1 (`python -m metaserver`:
+    the same command without loading the rest of kvpool).
+
+    `security`: how to reach it for the readiness check when `extra_args` turn on TLS;
+    `env`: extra environment variables (e.g. KVPOOL_ADMIN_TOKEN)."""
 
     def __init__(self, etcd_endpoints: str, log_path: Path, port: int | None = None,
-                 extra_args: tuple[str, ...] = (), log_level: str = "INFO") -> None:
+                 extra_args: tuple[str, ...] = (), log_level: str = "INFO",
+                 security: ClientSecurity | None = None, env: dict[str, str] | None = None) -> None:
         super().__init__(log_path)
         self.etcd_endpoints = etcd_endpoints
         self.log_level = log_level
         self.port = port or free_port()
         self.extra_args = extra_args
+        self.security = security
+        self.env = env
 
     @property
     def address(self) -> str:
@@ -185,9 +200,10 @@ class MetaserverProcess(ChildProcess):
 
     def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
         self.spawn(["--log-level", self.log_level, "metaserver", "--listen", self.address,
-                    "--etcd", self.etcd_endpoints, *self.extra_args])
+                    "--etcd", self.etcd_endpoints, *self.extra_args],
+                   env={**os.environ, **self.env} if self.env else None, module="metaserver")
         try:
-            wait_serving(self.address, timeout_s)
+            wait_serving(self.address, timeout_s, security=self.security)
         except TimeoutError:
             self.kill()
             raise RuntimeError(f"metaserver on {self.address} not ready; see {self.log_path}") from None

@@ -11,6 +11,11 @@ changes through to etcd (bounded by shutdown_flush_s) and exit.
 Health: "" and "kvpool.v1.MetaService" are SERVING once the index is loaded;
 "kvpool.v1.MetaService.etcd" is NOT_SERVING while etcd is unreachable (degraded: queries
 are still answered from memory and changes are queued).
+
+Security (both off by default): TLS on the port, optionally mutual (clients must present a
+certificate signed by the configured CA), and bearer tokens checked per call
+(`metaserver.auth`). Health and reflection answer without a token (probes), but over the
+same TLS port.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvpool_proto.kvpool.v1 import meta_pb2, meta_pb2_grpc
+from kvpool_proto.kvpool.v1 import meta_pb2
+from metaserver.auth import Authenticator
 from metaserver.config import MetaServerConfig
 from metaserver.etcd import EtcdClient, EtcdUnavailable
 from metaserver.service import MetaService
@@ -57,21 +63,57 @@ class MetaServer:
         for name in names or ("", SERVICE_NAME):
             self.health.set(name, status)
 
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials from the configured PEM files (None: plaintext). Raises OSError."""
+        cfg = self.config
+        if not cfg.tls:
+            return None
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        client_ca = read(cfg.tls_client_ca_file) if cfg.tls_client_ca_file else None
+        return grpc.ssl_server_credentials([(read(cfg.tls_key_file), read(cfg.tls_cert_file))],
+                                           root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+    def _bind(self) -> None:
+        credentials = self._credentials()
+        listen = self.config.listen
+        try:
+            port = (self.server.add_insecure_port(listen) if credentials is None
+                    else self.server.add_secure_port(listen, credentials))
+        except RuntimeError:  # grpc raises instead of returning 0 (address in use, unusable PEM)
+            port = 0
+        if port == 0:
+            hint = "" if credentials is None else " (or --tls-cert/--tls-key are not a matching PEM certificate and key)"
+            raise OSError(f"cannot listen on {listen}: address in use or not local{hint}")
+        cfg = self.config
+        tls = "plaintext" if credentials is None else (
+            "TLS, client certificates required" if cfg.tls_client_ca_file else "TLS")
+        roles = [role for role, token in (("admin", cfg.admin_token), ("node", cfg.node_token)) if token]
+        auth = f"tokens required ({', '.join(roles)})" if roles else "no tokens: every client may change the index"
+        log.info("metaserver %s: %s, %s", cfg.replica_name, tls, auth)
+        if roles and credentials is None:
+            log.warning("bearer tokens travel in plaintext; use --tls-cert/--tls-key beyond a trusted network")
+        if cfg.node_token and not cfg.admin_token:
+            log.warning("no admin token: Invalidate and Drain are refused for every caller")
+
     def start(self) -> None:
-        """Bind and serve; loading the index from etcd continues in the background."""
+        """Bind and serve; loading the index from etcd continues in the background.
+        Raises OSError when the port or a TLS file is unusable."""
+        self._bind()
         self._loop_thread.start()
         self.etcd = asyncio.run_coroutine_threadsafe(self._make_etcd(), self.loop).result()
         self.service = MetaService(self.config, self.etcd)
-        meta_pb2_grpc.add_MetaServiceServicer_to_server(
-            MetaServicer(self.service, self.loop, self.config.etcd_timeout_s * 3), self.server)
+        MetaServicer(self.service, self.loop, self.config.etcd_timeout_s * 3).add_to_server(
+            self.server, Authenticator(self.config.admin_token, self.config.node_token))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self._set_health(_NOT_SERVING)
         self._set_health(_NOT_SERVING, ETCD_HEALTH_NAME)
-        if self.server.add_insecure_port(self.config.listen) == 0:
-            raise OSError(f"cannot listen on {self.config.listen}")
         self.server.start()
         log.info("metaserver %s listening on %s (etcd %s)", self.config.replica_name, self.config.listen,
                  ",".join(self.config.etcd_endpoints))

@@ -5,6 +5,11 @@ Where it sits: called by the thin gRPC servicer (`metaserver.servicer`); owns th
 Every method validates its whole input before changing anything, so a rejected request
 changes nothing. Errors are `metaserver.errors` types.
 
+Node identity: each registration gets a random session token (returned to the node, its
+SHA-256 kept in the node record and in etcd). Methods acting for a node take `proof`: None
+when no proof is required (the server checks no tokens, or an admin calls), otherwise the
+session token the caller sent, which must match the node's (see `metaserver.auth`).
+
 Threading: the async methods and the etcd watch run on the server's event loop thread;
 the plain methods are called from gRPC handler threads. Every access to the index and the
 write queue holds `self.lock` (the plain public methods take it themselves), and no lock is
@@ -13,6 +18,7 @@ held across an await.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import threading
@@ -20,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar, cast
 
+from metaserver.auth import new_session_token, session_digest, session_matches
 from metaserver.config import MetaServerConfig
-from metaserver.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from metaserver.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+                               Unavailable)
 from metaserver.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, WatchCompacted
 from metaserver.index import BlockIndex
 from metaserver.store import Change, DurableStore, Snapshot
@@ -30,8 +38,17 @@ from metaserver.types import BlockHash, BlockRecord, IndexStats, Namespace, Node
 log = logging.getLogger(__name__)
 
 _MAX_ID_LEN = 256
+_MAX_SHOWN = 64  # characters of a rejected value repeated in an error message
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+def _show(value: str) -> str:
+    """`value` for an error message, cut short: a status message travels in a gRPC trailer,
+    which the client refuses beyond 16 KiB (it would see RESOURCE_EXHAUSTED, not our message)."""
+    if len(value) <= _MAX_SHOWN:
+        return repr(value)
+    return f"{value[:_MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
 def _locked(notify: bool) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -177,9 +194,20 @@ class MetaService:
             raise FailedPrecondition(f"node {node_id!r} is not registered (or its lease expired); register first")
         return node
 
+    @staticmethod
+    def _check_proof(node: NodeRecord, proof: str | None) -> None:
+        """PermissionDenied unless `proof` is None (not required) or the node's session token."""
+        if proof is None or session_matches(node.session_digest, proof):
+            return
+        sent = "a different session token" if proof else "no session token"
+        raise PermissionDenied(f"node {node.node_id!r}: the call carries {sent}; with the node token a node may "
+                               "only act for itself (send the kvpool-node-session its RegisterNode returned)")
+
     def _check_namespace(self, namespace: str) -> Namespace:
         if not namespace:
             raise InvalidArgument("namespace is required")
+        if len(namespace) > _MAX_ID_LEN:
+            raise InvalidArgument(f"namespace must be at most {_MAX_ID_LEN} characters, got {len(namespace)}")
         if not self.index.knows_namespace(Namespace(namespace)):
             raise NotFound(f"namespace {namespace!r} is unknown: no node registered with it")
         return Namespace(namespace)
@@ -187,12 +215,16 @@ class MetaService:
     # ---- node lifecycle -------------------------------------------------------------
 
     async def register_node(self, node_id: str, session_address: str, buffer_address: int,
-                            capacity_bytes: int, namespace: str, lease_ttl_s: int) -> NodeRecord:
-        """(Re-)register a node under a new lease. A node already registered under this id
-        is replaced and its old blocks are dropped: a restarted node has new slots."""
+                            capacity_bytes: int, namespace: str, lease_ttl_s: int,
+                            proof: str | None = None) -> tuple[NodeRecord, str]:
+        """(Re-)register a node under a new lease; returns it and its new session token.
+
+        A node already registered under this id is replaced and its old blocks are dropped:
+        a restarted node has new slots. Replacing a live registration that has a session
+        needs its `proof` (unless None); otherwise wait for its lease to expire."""
         self._check_id("node_id", node_id)
         if not session_address or len(session_address) > _MAX_ID_LEN or ":" not in session_address:
-            raise InvalidArgument(f"session_address must be HOST:PORT, got {session_address!r}")
+            raise InvalidArgument(f"session_address must be HOST:PORT, got {_show(session_address)}")
         if not 0 < capacity_bytes <= self.config.max_capacity_bytes:
             raise InvalidArgument(f"capacity_bytes must be in 1..{self.config.max_capacity_bytes}, got {capacity_bytes}")
         if not namespace or len(namespace) > _MAX_ID_LEN:
@@ -202,12 +234,19 @@ class MetaService:
             raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
         with self.lock:
             old = self.index.nodes.get(NodeId(node_id))
+        if old is not None and proof is not None and old.session_digest \
+                and not session_matches(old.session_digest, proof):
+            raise PermissionDenied(
+                f"node {node_id!r} is registered under a live lease and the call carries no proof of that "
+                f"registration; with the node token a node may only act for itself: wait for the lease to "
+                f"expire (ttl {old.lease_ttl_s}s) or ask an admin to unregister it")
+        token = new_session_token()
         try:
             lease_id, granted = await self.store.etcd.lease_grant(ttl)
             if old is not None:
                 await self.store.etcd.lease_revoke(old.lease_id)
             node = NodeRecord(NodeId(node_id), session_address, buffer_address, capacity_bytes,
-                              Namespace(namespace), lease_id, granted)
+                              Namespace(namespace), lease_id, granted, session_digest=session_digest(token))
             await self.store.write_node(node)
         except EtcdError as err:
             raise Unavailable(f"cannot register node {node_id!r} while etcd is unavailable: {err}") from None
@@ -218,15 +257,16 @@ class MetaService:
             self.index.upsert_node(node)
         log.info("node %s registered (lease %x, ttl %ds, %s, %d bytes)", node_id, lease_id, granted,
                  session_address, capacity_bytes)
-        return node
+        return node, token
 
-    async def keepalive(self, node_id: str, lease_id: int) -> int:
+    async def keepalive(self, node_id: str, lease_id: int, proof: str | None = None) -> int:
         """Refresh the node's lease; NotFound means: register again and re-publish."""
         self._check_id("node_id", node_id)
         with self.lock:
             node = self.index.nodes.get(NodeId(node_id))
         if node is None or node.lease_id != lease_id:
             raise NotFound(f"node {node_id!r} has no lease {lease_id:x}; register again")
+        self._check_proof(node, proof)
         try:
             return await self.store.etcd.lease_keepalive(lease_id)
         except LeaseNotFound:
@@ -237,7 +277,7 @@ class MetaService:
             # Degraded: etcd renews every lease to its full TTL when it comes back.
             return node.lease_ttl_s
 
-    async def unregister_node(self, node_id: str, lease_id: int) -> int:
+    async def unregister_node(self, node_id: str, lease_id: int, proof: str | None = None) -> int:
         """Revoke the node's lease; returns how many of its blocks left the index."""
         with self.lock:
             node = self._node(node_id)
@@ -245,6 +285,7 @@ class MetaService:
             num_blocks = self.index.num_blocks_of(node.node_id)
         if node.lease_id != lease_id:
             raise FailedPrecondition(f"node {node_id!r} is registered under another lease")
+        self._check_proof(node, proof)
         try:
             await self.store.etcd.lease_revoke(lease_id)
         except EtcdUnavailable as err:
@@ -258,8 +299,9 @@ class MetaService:
     # ---- blocks ---------------------------------------------------------------------
 
     @writer
-    def publish(self, node_id: str, records: Sequence[BlockRecord]) -> int:
+    def publish(self, node_id: str, records: Sequence[BlockRecord], proof: str | None = None) -> int:
         node = self._node(node_id)
+        self._check_proof(node, proof)
         if node.draining:
             raise FailedPrecondition(f"node {node_id!r} is draining; it cannot publish")
         self._check_hashes([r.block_hash for r in records], self.config.max_publish_batch, "publish")
@@ -277,8 +319,9 @@ class MetaService:
         return len(records)
 
     @writer
-    def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:
+    def unpublish(self, node_id: str, hashes: Sequence[bytes], proof: str | None = None) -> int:
         node = self._node(node_id)
+        self._check_proof(node, proof)
         self._check_hashes(hashes, self.config.max_publish_batch, "unpublish")
         removed = 0
         for h in hashes:
@@ -329,8 +372,7 @@ class MetaService:
         """Stop using a node as a source and refuse its publishes (before it shuts down)."""
         node = self._node(node_id)
         hashes = self.index.remove_node_blocks(node.node_id)
-        drained = NodeRecord(node.node_id, node.session_address, node.buffer_address, node.capacity_bytes,
-                             node.namespace, node.lease_id, node.lease_ttl_s, draining=True)
+        drained = dataclasses.replace(node, draining=True)
         self.index.upsert_node(drained)
         self.store.put_node(drained)
         log.info("node %s draining (%d blocks dropped)", node_id, len(hashes))

@@ -4,18 +4,25 @@ Protobuf types stop here; the domain layer sees dataclasses (`metaserver.types`)
 Handlers run on the gRPC server's thread pool (the synchronous server handles about 1.5x
 the calls per second of grpc.aio here). Plain domain methods lock the index themselves;
 async ones (those that talk to etcd before answering) run on the service's event loop.
+
+`add_to_server` registers every method of the service with two steps before the handler:
+the caller is authorized (`metaserver.auth`), and a request that does not parse is
+answered INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL). Handlers take
+`(request, context, caller)`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
-from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
+from metaserver.auth import METHOD_ACCESS, Authenticator, Caller
 from metaserver.errors import InvalidArgument, MetaError, Unavailable
 from metaserver.service import MetaService
 from metaserver.store import node_to_pb
@@ -49,11 +56,49 @@ def _call(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-class MetaServicer(pb_grpc.MetaServiceServicer):
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What the lenient deserializer returns for bytes that are not the request message."""
+
+    message: str
+
+
+def _lenient(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return cls.FromString(data)
+        except DecodeError as err:
+            return Malformed(f"the request is not a valid {cls.DESCRIPTOR.full_name}: {err}")
+
+    return parse
+
+
+class MetaServicer:
     def __init__(self, service: MetaService, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.service = service
         self._loop = loop
         self._timeout_s = timeout_s
+
+    def add_to_server(self, server: grpc.Server, auth: Authenticator) -> None:
+        """Serve every MetaService method on `server`, each call authorized by `auth`."""
+        service = pb.DESCRIPTOR.services_by_name["MetaService"]
+        handlers = {m.name: self._handler(m.name, getattr(pb, m.input_type.name), getattr(pb, m.output_type.name),
+                                          auth) for m in service.methods}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+    def _handler(self, name: str, request_cls: type[Message], response_cls: type[Message],
+                 auth: Authenticator) -> grpc.RpcMethodHandler:
+        assert name in METHOD_ACCESS, f"no access rule for {name}"
+        method: Callable[[Any, grpc.ServicerContext, Caller], Message] = getattr(self, name)
+
+        def behavior(request: Message | Malformed, context: grpc.ServicerContext) -> Message:
+            caller = _call(context, lambda: auth.authorize(context.invocation_metadata(), name))
+            if isinstance(request, Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return method(request, context, caller)
+
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=_lenient(request_cls),
+                                                   response_serializer=response_cls.SerializeToString)
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -63,35 +108,46 @@ class MetaServicer(pb_grpc.MetaServiceServicer):
             future.cancel()
             raise Unavailable(f"no answer from etcd within {self._timeout_s}s") from None
 
-    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
-        node = _call(context, lambda: self._on_loop(self.service.register_node(
+    def RegisterNode(self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext,
+                     caller: Caller) -> pb.RegisterNodeResponse:
+        node, session_token = _call(context, lambda: self._on_loop(self.service.register_node(
             request.node_id, request.session_address, request.buffer_address, request.capacity_bytes,
-            request.layout_fingerprint, request.lease_ttl_s)))
-        return pb.RegisterNodeResponse(lease_id=node.lease_id, lease_ttl_s=node.lease_ttl_s)
+            request.layout_fingerprint, request.lease_ttl_s, caller.node_session)))
+        return pb.RegisterNodeResponse(lease_id=node.lease_id, lease_ttl_s=node.lease_ttl_s,
+                                       session_token=session_token)
 
-    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext) -> pb.KeepAliveResponse:
-        ttl = _call(context, lambda: self._on_loop(self.service.keepalive(request.node_id, request.lease_id)))
+    def KeepAlive(self, request: pb.KeepAliveRequest, context: grpc.ServicerContext,
+                  caller: Caller) -> pb.KeepAliveResponse:
+        ttl = _call(context, lambda: self._on_loop(self.service.keepalive(request.node_id, request.lease_id,
+                                                                         caller.node_session)))
         return pb.KeepAliveResponse(lease_ttl_s=ttl)
 
-    def UnregisterNode(self, request: pb.UnregisterNodeRequest, context: grpc.ServicerContext) -> pb.UnregisterNodeResponse:
-        n = _call(context, lambda: self._on_loop(self.service.unregister_node(request.node_id, request.lease_id)))
+    def UnregisterNode(self, request: pb.UnregisterNodeRequest, context: grpc.ServicerContext,
+                       caller: Caller) -> pb.UnregisterNodeResponse:
+        n = _call(context, lambda: self._on_loop(self.service.unregister_node(request.node_id, request.lease_id,
+                                                                               caller.node_session)))
         return pb.UnregisterNodeResponse(num_blocks_removed=n)
 
-    def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext) -> pb.PublishResponse:
+    def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext,
+                caller: Caller) -> pb.PublishResponse:
         records = [BlockRecord(BlockHash(b.block_hash), b.offset, b.size_bytes, b.generation) for b in request.blocks]
-        n = _call(context, lambda: self.service.publish(request.node_id, records))
+        n = _call(context, lambda: self.service.publish(request.node_id, records, caller.node_session))
         return pb.PublishResponse(num_published=n)
 
-    def Unpublish(self, request: pb.UnpublishRequest, context: grpc.ServicerContext) -> pb.UnpublishResponse:
-        n = _call(context, lambda: self.service.unpublish(request.node_id, list(request.block_hashes)))
+    def Unpublish(self, request: pb.UnpublishRequest, context: grpc.ServicerContext,
+                  caller: Caller) -> pb.UnpublishResponse:
+        n = _call(context, lambda: self.service.unpublish(request.node_id, list(request.block_hashes),
+                                                          caller.node_session))
         return pb.UnpublishResponse(num_removed=n)
 
-    def QueryPrefix(self, request: pb.QueryPrefixRequest, context: grpc.ServicerContext) -> pb.QueryPrefixResponse:
+    def QueryPrefix(self, request: pb.QueryPrefixRequest, context: grpc.ServicerContext,
+                    caller: Caller) -> pb.QueryPrefixResponse:
         result = _call(context, lambda: self.service.query(
             request.namespace, list(request.block_hashes), request.requester_node_id))
         return query_response(result)
 
-    def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext) -> pb.InvalidateResponse:
+    def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext,
+                   caller: Caller) -> pb.InvalidateResponse:
         target = request.WhichOneof("target")
         svc = self.service
         calls: dict[str | None, Callable[[], int]] = {
@@ -111,11 +167,13 @@ class MetaServicer(pb_grpc.MetaServiceServicer):
                  f" ({request.namespace})" if request.namespace else "", n)
         return pb.InvalidateResponse(num_removed=n)
 
-    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext,
+              caller: Caller) -> pb.DrainResponse:
         n = _call(context, lambda: self.service.drain(request.node_id))
         return pb.DrainResponse(num_removed=n)
 
-    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext,
+              caller: Caller) -> pb.StatsResponse:
         s = self.service.index_stats()
         c = self.service.counters
         return pb.StatsResponse(
@@ -127,5 +185,6 @@ class MetaServicer(pb_grpc.MetaServiceServicer):
             pending_writes=self.service.store.pending_writes, replica_id=self.service.config.replica_name,
         )
 
-    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext) -> pb.ListNodesResponse:
+    def ListNodes(self, request: pb.ListNodesRequest, context: grpc.ServicerContext,
+                  caller: Caller) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(nodes=[node_info(n, k) for n, k in self.service.nodes()])

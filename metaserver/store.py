@@ -58,16 +58,20 @@ class Change:
     block: BlockRecord | None = None        # block put
 
 
-def node_to_pb(node: NodeRecord) -> pb.NodeInfo:
+def node_to_pb(node: NodeRecord, *, stored: bool = False) -> pb.NodeInfo:
+    """The node as NodeInfo; `stored` (etcd values only) adds its session digest, which
+    RPC answers never carry."""
     return pb.NodeInfo(node_id=node.node_id, session_address=node.session_address,
                        buffer_address=node.buffer_address, capacity_bytes=node.capacity_bytes,
                        layout_fingerprint=node.namespace, lease_id=node.lease_id,
-                       lease_ttl_s=node.lease_ttl_s, draining=node.draining)
+                       lease_ttl_s=node.lease_ttl_s, draining=node.draining,
+                       session_digest=node.session_digest if stored else b"")
 
 
 def node_from_pb(msg: pb.NodeInfo) -> NodeRecord:
     return NodeRecord(NodeId(msg.node_id), msg.session_address, msg.buffer_address, msg.capacity_bytes,
-                      Namespace(msg.layout_fingerprint), msg.lease_id, msg.lease_ttl_s, msg.draining)
+                      Namespace(msg.layout_fingerprint), msg.lease_id, msg.lease_ttl_s, msg.draining,
+                      msg.session_digest)
 
 
 class KeyCodec:
@@ -155,12 +159,14 @@ class DurableStore:
         self.enqueue(Delete(self.keys.block_key(node_id, block_hash)))
 
     def put_node(self, node: NodeRecord) -> None:
-        self.enqueue(Put(self.keys.node_key(node.node_id), node_to_pb(node).SerializeToString(), node.lease_id))
+        value = node_to_pb(node, stored=True).SerializeToString()
+        self.enqueue(Put(self.keys.node_key(node.node_id), value, node.lease_id))
 
     async def write_node(self, node: NodeRecord) -> None:
         """Write a node record now (not queued): other replicas must know a node as soon as
         its registration is acknowledged. Raises EtcdUnavailable / LeaseNotFound."""
-        await self.etcd.put(self.keys.node_key(node.node_id), node_to_pb(node).SerializeToString(), node.lease_id)
+        value = node_to_pb(node, stored=True).SerializeToString()
+        await self.etcd.put(self.keys.node_key(node.node_id), value, node.lease_id)
 
     def drop_lease_ops(self, lease_id: int) -> None:
         """Forget queued puts under a lease that no longer exists."""

@@ -1,7 +1,7 @@
 """Domain types of the metadata service (what the rest of the code sees instead of protobuf)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)  # chained prefix hash of one full KV block
@@ -21,6 +21,9 @@ class NodeRecord:
     lease_id: int             # etcd lease its records live under
     lease_ttl_s: int
     draining: bool = False    # no new publishes; not a source any more
+    # SHA-256 of the registration's session token (metaserver.auth); b"" when unknown
+    # (records that came over RPC never carry it).
+    session_digest: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

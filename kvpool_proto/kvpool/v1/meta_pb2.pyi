@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class NodeInfo(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -26,7 +27,8 @@ class NodeInfo(_message.Message):
     lease_ttl_s: int
     draining: bool
     num_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    session_digest: bytes
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
     __slots__ = ("block_hash", "offset", "size_bytes", "generation")
@@ -57,12 +59,14 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("lease_id", "lease_ttl_s")
+    __slots__ = ("lease_id", "lease_ttl_s", "session_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     lease_ttl_s: int
-    def __init__(self, lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+    session_token: str
+    def __init__(self, lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("node_id", "lease_id")

@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class MetaServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials (only when the server is started with tokens; otherwise every call is open):
+    metadata `authorization: Bearer <token>`. Missing or unknown token: UNAUTHENTICATED; a
+    known token that may not make the call: PERMISSION_DENIED. Node calls with the node
+    token must also carry the node's `kvpool-node-session` (from RegisterNode); the admin
+    token may act for any node.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -87,64 +92,79 @@ class MetaServiceStub:
 
 
 class MetaServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials (only when the server is started with tokens; otherwise every call is open):
+    metadata `authorization: Bearer <token>`. Missing or unknown token: UNAUTHENTICATED; a
+    known token that may not make the call: PERMISSION_DENIED. Node calls with the node
+    token must also carry the node's `kvpool-node-session` (from RegisterNode); the admin
+    token may act for any node.
+    """
 
     def RegisterNode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """node or admin token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def KeepAlive(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """node (+ session) or admin
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterNode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """node (+ session) or admin
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """node (+ session) or admin
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Unpublish(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """node (+ session) or admin
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def QueryPrefix(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """either token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Invalidate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """admin token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """admin token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """either token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListNodes(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """either token
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -211,7 +231,12 @@ def add_MetaServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class MetaService:
-    """Missing associated documentation comment in .proto file."""
+    """Credentials (only when the server is started with tokens; otherwise every call is open):
+    metadata `authorization: Bearer <token>`. Missing or unknown token: UNAUTHENTICATED; a
+    known token that may not make the call: PERMISSION_DENIED. Node calls with the node
+    token must also carry the node's `kvpool-node-session` (from RegisterNode); the admin
+    token may act for any node.
+    """
 
     @staticmethod
     def RegisterNode(request,
