@@ -13,6 +13,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -392,3 +393,32 @@ def test_no_secret_in_metaserver_logs(start, tls_server: MetaserverProcess, auth
             assert secret not in text, (proc.log_path, secret[:4])
     text = auth_server.log_path.read_text()
     assert f"node {a.node_id} registered" in text and "tokens required (admin, node)" in text
+
+
+@pytest.mark.slow
+def test_engine_node_joins_a_mutual_tls_pool_with_its_token(mtls_server: MetaserverProcess, certs: Certs,
+                                                            tmp_path: Path) -> None:
+    """A real `kvpool serve --kv-connector mooncake` node, given the CA, its client
+    certificate and the node token as files in --kv-transfer-config, registers and
+    publishes what it computes; its log never shows the token."""
+    from kvpool.launch import EngineProcess
+
+    extra = {"metaserver_tls_ca": certs("ca.crt"), "metaserver_tls_cert": certs("client.crt"),
+             "metaserver_tls_key": certs("client.key"), "metaserver_token_file": certs("node.token")}
+    log = tmp_path / "engine.log"
+    node = EngineProcess(log, "tls-engine", mtls_server.address, pool_size="64MiB",
+                         extra_args=("--kv-cache-bytes", "64MiB", "--threads", "1"),
+                         kv_transfer_config={"kv_connector": "mooncake", "kv_connector_extra_config": extra})
+    admin_security = ClientSecurity(certs("ca.crt"), certs("client.crt"), certs("client.key"), token=ADMIN_TOKEN)
+    with node, MetaClient(mtls_server.address, security=admin_security) as c:
+        node.wait_ready(timeout_s=300)
+        node.complete(list(range(1000, 1000 + 70)), 2)  # 4 full blocks of 16 tokens
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            counts = {n.node_id: k for n, k in c.list_nodes()}
+            if counts.get("tls-engine", 0) >= 4:
+                break
+            time.sleep(0.1)
+        assert counts.get("tls-engine", 0) >= 4, counts
+    text = log.read_text()
+    assert "registered" in text and NODE_TOKEN not in text and ADMIN_TOKEN not in text
