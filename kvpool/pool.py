@@ -88,10 +88,11 @@ class NodePool:
         """Register with the metaserver and start publishing (no-op without a client)."""
         if self.client is None:
             return
-        self._publisher = Publisher(self.client, self.config, self._is_current, self.stats)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s)
+        self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
+                                    on_failure=self._session.resync)
         self._session.start()
         self._publisher.start()
 

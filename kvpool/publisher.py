@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 class Publisher:
     def __init__(self, client: MetaClient, config: PoolConfig, is_current: Callable[[BlockRecord], bool],
-                 stats: PoolStats) -> None:
+                 stats: PoolStats, on_failure: Callable[[], None] = lambda: None) -> None:
         self._client = client
+        self._on_failure = on_failure  # a failed publish: the session re-publishes everything later
         self._config = config
         self._is_current = is_current
         self._stats = stats
@@ -86,3 +87,4 @@ class Publisher:
             self._stats.published += self._client.publish(self._config.node_id, records)
         except MetaError as err:
             log.warning("node %s: publish of %d blocks failed: %s", self._config.node_id, len(records), err)
+            self._on_failure()

@@ -204,8 +204,11 @@ class NodeSession:
     lost (metaserver restart, partition, etcd outage) register again and re-publish.
 
     `holdings()` must return every block the node holds right now; it is called from the
-    keepalive thread after each re-registration. Nodes are the source of truth for what
-    they hold, so this is what makes the index converge after a crash.
+    keepalive thread after each re-registration, and after the first successful keepalive
+    that follows a failed one or a failed publish (`resync()`): the lease may have outlived
+    an outage in which publishes were lost, or a metaserver crash lost acknowledged changes.
+    Nodes are the source of truth for what they hold, so this is what makes the index
+    converge.
     """
 
     def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
@@ -219,7 +222,12 @@ class NodeSession:
         self.registration: Registration | None = None
         self.registrations = 0  # how many times this session (re-)registered
         self._stop = threading.Event()
+        self._resync = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def resync(self) -> None:
+        """Re-publish every holding after the next successful keepalive (thread-safe)."""
+        self._resync.set()
 
     def start(self) -> None:
         """Register now (raises on failure), then keep alive from a daemon thread."""
@@ -230,11 +238,16 @@ class NodeSession:
     def _register(self) -> None:
         self.registration = self.client.register_node(*self._args)
         self.registrations += 1
+        self._resync.clear()
+        n = self._publish_holdings()
+        log.info("node %s registered (lease %x), re-published %d blocks", self.node_id,
+                 self.registration.lease_id, n)
+
+    def _publish_holdings(self) -> int:
         records = list(self._holdings())
         for i in range(0, len(records), self._publish_batch):
             self.client.publish(self.node_id, records[i:i + self._publish_batch])
-        log.info("node %s registered (lease %x), re-published %d blocks", self.node_id,
-                 self.registration.lease_id, len(records))
+        return len(records)
 
     def _run(self) -> None:
         assert self.registration is not None
@@ -243,11 +256,16 @@ class NodeSession:
             try:
                 assert self.registration is not None
                 self.client.keepalive(self.node_id, self.registration.lease_id)
+                if self._resync.is_set():
+                    self._resync.clear()
+                    log.info("node %s: re-published %d blocks after an outage", self.node_id,
+                             self._publish_holdings())
             except NotFound:
                 log.warning("node %s: lease lost; registering again", self.node_id)
                 self._try_register()
             except MetaError as err:
-                log.warning("node %s: keepalive failed: %s", self.node_id, err)
+                self._resync.set()
+                log.warning("node %s: keepalive or re-publish failed: %s", self.node_id, err)
 
     def _try_register(self) -> None:
         try:
