@@ -58,8 +58,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--users", type=int, default=9, help="odd with 2 nodes: a user's rounds alternate nodes")
     m.add_argument("--rounds", type=int, default=4)
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
-    m.add_argument("--system-tokens", type=int, default=512)
-    m.add_argument("--user-tokens", type=int, default=64)
+    m.add_argument("--system-tokens", type=int, default=256)
+    m.add_argument("--user-tokens", type=int, default=128)
     m.add_argument("--reply-tokens", type=int, default=64)
     t = p.add_argument_group("trace replay")
     t.add_argument("--trace", default="", help="Mooncake-format JSONL (e.g. shared/data/mooncake_synthetic_trace.jsonl)")
@@ -72,6 +72,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
     p.add_argument("--output-tokens", type=int, default=8, help="max tokens per request")
+    p.add_argument("--kv-cache-bytes", default="96MiB",
+                   help="each node's own KV cache (its local prefix cache), sized like a GPU's: the requests in "
+                        "flight and little more; the pool adds DRAM beside it")
+    p.add_argument("--pool-size", default="2GiB", help="each node's DRAM pool (pool-on)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
     p.add_argument("--run-dir", default="runs/cross-node")
     p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
@@ -193,8 +197,8 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
     from kvpool.cluster import ClusterSpec, LocalCluster
 
     name = "pool-on" if pool_on else "pool-off"
-    spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size="2GiB",
-                       engine_args=("--threads", "1", "--kv-cache-bytes", "1GiB", *args.engine_arg))
+    spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size=args.pool_size,
+                       engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
         urls = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
@@ -299,7 +303,8 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
     report = {"bench": "cross-node", "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
-              "model": args.model, "configs": summaries,
+              "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
+              "configs": summaries,
               "requests": {k: [asdict(r) for r in v] for k, v in results.items()},
               "plots": [str(p) for p in plots]}
     write_report(args.out or str(run_dir / "report.json"), report)
