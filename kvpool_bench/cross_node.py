@@ -77,6 +77,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "flight and little more; the pool adds DRAM beside it")
     p.add_argument("--pool-size", default="2GiB", help="each node's DRAM pool (pool-on)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
+    p.add_argument("--urls", default="",
+                   help="run against these running nodes instead (http://HOST:PORT,...; e.g. a Helm release's "
+                        "pods): one configuration, named pool-on, no cluster started")
     p.add_argument("--run-dir", default="runs/cross-node")
     p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
     p.add_argument("--no-progress", action="store_true")
@@ -187,16 +190,17 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     rows = load_trace(args.trace, args.max_requests, args.first_request)
     reqs = mooncake_trace(rows, args.tokens_per_hash_id, args.max_prompt_tokens, args.output_tokens,
                           args.time_scale or 1.0)
-    return reqs, {"trace": str(args.trace), "first_request": args.first_request, "trace_requests": len(rows), "hash_id_oracle_hit_rate": hash_id_oracle(rows),
-                  "tokens_per_hash_id": args.tokens_per_hash_id}
+    return reqs, {"trace": str(args.trace), "first_request": args.first_request, "trace_requests": len(rows),
+                  "hash_id_oracle_hit_rate": hash_id_oracle(rows), "tokens_per_hash_id": args.tokens_per_hash_id}
 
 
 def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest], oracle_tokens: int) -> tuple[dict, list[Result]]:
-    from tqdm import tqdm
-
     from kvpool.cluster import ClusterSpec, LocalCluster
 
     name = "pool-on" if pool_on else "pool-off"
+    if args.urls:
+        return _run_on(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests,
+                       oracle_tokens)
     spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size=args.pool_size,
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
@@ -204,12 +208,43 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
         before = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes)
-        bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
-        results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
-                                     on_done=lambda: bar.update(1), paced=args.workload == "trace" and args.time_scale > 0)
-        bar.close()
+        results, wall = _run_bar(args, name, urls, requests)
         moved = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes) - before
     return summarize(results, wall, oracle_tokens, moved), results
+
+
+def _run_bar(args: argparse.Namespace, name: str, urls: list[str],
+             requests: list[BenchRequest]) -> tuple[list[Result], float]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
+    try:
+        return run_workload(urls, requests, args.routing, args.concurrency, args.seed,
+                            on_done=lambda: bar.update(1), paced=args.workload == "trace" and args.time_scale > 0)
+    finally:
+        bar.close()
+
+
+def _run_on(args: argparse.Namespace, name: str, urls: list[str], requests: list[BenchRequest],
+            oracle_tokens: int) -> tuple[dict, list[Result]]:
+    """The workload against nodes that are already running (their caches may be warm)."""
+    from kvpool.launch import http_json
+
+    def bytes_read() -> int:
+        total = 0
+        for u in urls:
+            status, body = http_json(f"{u}/stats", timeout_s=10)
+            if status != 200:
+                raise RuntimeError(f"{u}/stats answered HTTP {status}")
+            total += int(body.get("pool_bytes_read", 0))
+        return total
+
+    try:
+        before = bytes_read()
+    except OSError as err:
+        raise RuntimeError(f"cannot reach the nodes: {err}") from None
+    results, wall = _run_bar(args, name, urls, requests)
+    return summarize(results, wall, oracle_tokens, bytes_read() - before), results
 
 
 def print_table(summaries: dict[str, dict]) -> None:
@@ -279,6 +314,8 @@ def _save(plt, fig, ax, title: str, path: Path) -> Path:  # noqa: ANN001
 
 def main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.urls:
+        configs = ["on"]  # the running nodes are whatever they are: one configuration
     if not configs or any(c not in ("on", "off") for c in configs):
         print("kvpool bench cross-node: error: --configs takes on, off or on,off", file=sys.stderr)
         return 2

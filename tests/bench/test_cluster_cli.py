@@ -36,6 +36,17 @@ def test_cluster_up_status_down(tmp_path: Path) -> None:
         assert again.returncode == 1 and "already runs" in again.stderr
         st = kvpool("cluster", "status", "--run-dir", str(run))
         assert st.returncode == 0 and st.stdout.count("running") == 4 and st.stdout.count(" ready") == 2
+        # the cross-node benchmark against these running nodes (as against a Helm release)
+        urls = ",".join(p["address"] for p in info["processes"][2:])
+        out = tmp_path / "bench.json"
+        bench = kvpool("bench", "cross-node", "--urls", urls, "--users", "3", "--rounds", "2", "--groups", "1",
+                       "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16", "--output-tokens", "2",
+                       "--no-progress", "--run-dir", str(tmp_path / "bench"), "--out", str(out))
+        assert bench.returncode == 0, bench.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert list(report["configs"]) == ["pool-on"]
+        on = report["configs"]["pool-on"]
+        assert on["errors"] == 0 and on["requests"] == 6 and on["remote_hit_tokens"] > 0 and on["bytes_transferred"] > 0
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
     assert down.returncode == 0 and down.stdout.count("stopped") == 4

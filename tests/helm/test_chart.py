@@ -196,7 +196,9 @@ def test_notes_show_endpoints_and_benchmark(notes_chart: Path) -> None:
     assert f"{name('metaserver')}.{NAMESPACE}.svc.cluster.local:50051" in notes
     assert f"{name('etcd')}.{NAMESPACE}.svc.cluster.local:2379" in notes
     assert f"helm test {RELEASE} -n {NAMESPACE}" in notes
-    assert "bench cross-node" in notes
+    engine = name("engine")
+    pods = [f"http://{engine}-{i}.{engine}-headless.{NAMESPACE}.svc.cluster.local:8000" for i in range(2)]
+    assert f"bench cross-node --urls {','.join(pods)} " in notes  # against this release's nodes
     assert "WARNING" not in notes
     external = _notes(notes_chart, "etcd.enabled=false", "externalEtcd.endpoints={10.0.0.9:2379}")
     assert "the external etcd 10.0.0.9:2379" in external
