@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -58,7 +57,7 @@ class EngineProcess(ChildProcess):
 
     def start(self) -> EngineProcess:
         """Start without waiting (load models of several nodes in parallel); see wait_ready."""
-        self.spawn(self.command(), env={**os.environ, **self.env} if self.env else None)
+        self.spawn(self.command(), env=self.env)
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> EngineProcess:

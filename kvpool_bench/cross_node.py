@@ -198,53 +198,47 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
     from kvpool.cluster import ClusterSpec, LocalCluster
 
     name = "pool-on" if pool_on else "pool-off"
-    if args.urls:
-        return _run_on(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests,
+    if args.urls:  # nodes that are already running (their caches may be warm)
+        return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests,
                        oracle_tokens)
     spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size=args.pool_size,
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
-        urls = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
-        before = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes)
-        results, wall = _run_bar(args, name, urls, requests)
-        moved = sum(n.stats().get("pool_bytes_read", 0) for n in cluster.nodes) - before
-    return summarize(results, wall, oracle_tokens, moved), results
+        return measure(args, name, [n.url for n in cluster.nodes], requests, oracle_tokens)
 
 
-def _run_bar(args: argparse.Namespace, name: str, urls: list[str],
-             requests: list[BenchRequest]) -> tuple[list[Result], float]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
-    try:
-        return run_workload(urls, requests, args.routing, args.concurrency, args.seed,
-                            on_done=lambda: bar.update(1), paced=args.workload == "trace" and args.time_scale > 0)
-    finally:
-        bar.close()
-
-
-def _run_on(args: argparse.Namespace, name: str, urls: list[str], requests: list[BenchRequest],
-            oracle_tokens: int) -> tuple[dict, list[Result]]:
-    """The workload against nodes that are already running (their caches may be warm)."""
+def pool_bytes_read(urls: list[str]) -> int:
+    """Bytes the nodes' pools have delivered so far (their /stats)."""
     from kvpool.launch import http_json
 
-    def bytes_read() -> int:
-        total = 0
-        for u in urls:
+    total = 0
+    for u in urls:
+        try:
             status, body = http_json(f"{u}/stats", timeout_s=10)
-            if status != 200:
-                raise RuntimeError(f"{u}/stats answered HTTP {status}")
-            total += int(body.get("pool_bytes_read", 0))
-        return total
+        except OSError as err:
+            raise RuntimeError(f"cannot reach {u}: {err}") from None
+        if status != 200:
+            raise RuntimeError(f"{u}/stats answered HTTP {status}")
+        total += int(body.get("pool_bytes_read", 0))
+    return total
 
+
+def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list[BenchRequest],
+            oracle_tokens: int) -> tuple[dict, list[Result]]:
+    """Run the workload against `urls` with a progress bar; summarize it with the pool traffic."""
+    from tqdm import tqdm
+
+    before = pool_bytes_read(urls)
+    bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
     try:
-        before = bytes_read()
-    except OSError as err:
-        raise RuntimeError(f"cannot reach the nodes: {err}") from None
-    results, wall = _run_bar(args, name, urls, requests)
-    return summarize(results, wall, oracle_tokens, bytes_read() - before), results
+        results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
+                                     on_done=lambda: bar.update(1),
+                                     paced=args.workload == "trace" and args.time_scale > 0)
+    finally:
+        bar.close()
+    return summarize(results, wall, oracle_tokens, pool_bytes_read(urls) - before), results
 
 
 def print_table(summaries: dict[str, dict]) -> None:

@@ -144,10 +144,12 @@ class ChildProcess:
         return self.proc.pid if self.proc is not None else None
 
     def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool") -> None:
+        """`env`: variables added to this process's environment for the child."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **env} if env else None)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -201,7 +203,7 @@ class MetaserverProcess(ChildProcess):
     def start(self, timeout_s: float = 20.0) -> MetaserverProcess:
         self.spawn(["--log-level", self.log_level, "metaserver", "--listen", self.address,
                     "--etcd", self.etcd_endpoints, *self.extra_args],
-                   env={**os.environ, **self.env} if self.env else None, module="metaserver")
+                   env=self.env, module="metaserver")
         try:
             wait_serving(self.address, timeout_s, security=self.security)
         except TimeoutError:
