@@ -27,7 +27,7 @@ import numpy as np
 from kvpool.config import PoolConfig
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, memcpy, slot_bytes_for, view
 from kvpool.publisher import Publisher
-from kvpool.reader import ReadHandle, ReadItem, Scratch
+from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
@@ -71,6 +71,7 @@ class NodePool:
         self.te = TransferEngine(config.transfer)
         self.te.register(self.buffer_address, self.capacity_bytes)
         self._scratch = Scratch(self.te, config.max_read_blocks)
+        self._peers = Peers(self.te, self._scratch)
         # Threads that wait (GIL released) for transfer batches to complete.
         self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
         self._lock = threading.Lock()
@@ -260,7 +261,7 @@ class NodePool:
         local = [it for it in items if it.location.node_id == self.config.node_id]
         remote = [it for it in items if it.location.node_id != self.config.node_id]
         local_ok = self._read_local(local)
-        return ReadHandle(self.te, self._completer, self._scratch, remote, nodes, local_ok,
+        return ReadHandle(self.te, self._completer, self._scratch, self._peers, remote, nodes, local_ok,
                           [it.index for it in local if it.index not in local_ok], self.config.read_timeout_s,
                           self.stats, header_room)
 

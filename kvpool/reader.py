@@ -7,6 +7,13 @@ slot strides), else as a second range into a registered scratch area.
 When a batch completes, each block is accepted only if the
 header's magic, hash and generation match the index's promise and the payload's checksum
 matches the header; otherwise it is reported failed and the caller recomputes it.
+
+The first transfer with a source makes the transfer engine's handshake with it, inside the
+submit call: a frozen source (SIGSTOP, a hung host) accepts the connection and never answers,
+and the call blocks for about a minute. So the caller's thread (the engine loop) never makes
+first contact: `Peers` does it with a header-sized read into scratch on a thread of its own,
+and the batch is posted only once that read returned and only if the caller has not given up
+by then (its deadline passed: the blocks were reported failed and are being recomputed).
 """
 from __future__ import annotations
 
@@ -74,28 +81,90 @@ class Scratch:
         return self.at(self.addr + i * HEADER_BYTES)
 
 
+class Peers:
+    """Which sources the transfer engine has made contact with, and first contact off the
+    caller's thread (one handshake at a time per source; later reads wait on it)."""
+
+    def __init__(self, te: TransferEngine, scratch: Scratch) -> None:
+        self._te = te
+        self._scratch = scratch
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+        self._pending: dict[str, Future[None]] = {}
+
+    def known(self, session: str) -> bool:
+        return session in self._known
+
+    def contact(self, session: str, remote_addr: int) -> Future[None]:
+        """Read the HEADER_BYTES at `remote_addr` of `session` (a slot header) into scratch on a
+        daemon thread; the future fails with TransferError if the read did."""
+        with self._lock:
+            if session in self._known:
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
+            if session in self._pending:
+                return self._pending[session]
+            fut = self._pending[session] = Future()
+        threading.Thread(target=self._handshake, args=(session, remote_addr, fut), daemon=True,
+                         name=f"handshake-{session}").start()
+        return fut
+
+    def _handshake(self, session: str, remote_addr: int, fut: Future[None]) -> None:
+        taken = self._scratch.take(1)
+        err: TransferError | None = None
+        if taken is None:
+            err = TransferError("read scratch exhausted")
+        else:
+            try:
+                self._te.read_sync(session, [self._scratch.addr + taken[0] * HEADER_BYTES], [remote_addr],
+                                   [HEADER_BYTES])
+                self._scratch.give(taken)  # a failed read may still land: its scratch is not reused
+            except TransferError as e:
+                err = e
+        with self._lock:
+            del self._pending[session]
+            if err is None:
+                self._known.add(session)
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+
+
 @dataclass
 class _Batch:
     session: str
     items: list[ReadItem]
     scratch: list[int]
     done: Future[None] = field(default_factory=Future)  # set by a completion thread
+    posted: bool = False   # the read into the destinations was submitted (it may still land)
     settled: bool = False
+
+
+def _copy_outcome(src: Future[None], dst: Future[None]) -> None:
+    err = src.exception()
+    if err is None:
+        dst.set_result(None)
+    else:
+        dst.set_exception(err)
 
 
 class ReadHandle:
     """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe."""
 
-    def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, remote: list[ReadItem],
-                 nodes: dict[NodeId, NodeRecord], local_ok: set[int], local_failed: list[int],
-                 timeout_s: float, stats: PoolStats, header_room: bool = False) -> None:
+    def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, peers: Peers,
+                 remote: list[ReadItem], nodes: dict[NodeId, NodeRecord], local_ok: set[int],
+                 local_failed: list[int], timeout_s: float, stats: PoolStats, header_room: bool = False) -> None:
         self._te = te
         self._header_room = header_room
         self._completer = completer
         self._scratch = scratch
+        self._peers = peers
         self._stats = stats
         self._deadline = time.monotonic() + timeout_s
-        self._lock = threading.Lock()
+        # Reentrant: a handshake that is already done posts its batch inline, under the lock.
+        self._lock = threading.RLock()
         self._ok = set(local_ok)
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
@@ -103,9 +172,10 @@ class ReadHandle:
         by_node: dict[NodeId, list[ReadItem]] = {}
         for it in remote:
             by_node.setdefault(it.location.node_id, []).append(it)
-        for node_id, items in by_node.items():
-            self._submit(nodes[node_id], items)
-        self._poll()
+        with self._lock:
+            for node_id, items in by_node.items():
+                self._submit(nodes[node_id], items)
+            self._poll()
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
         local, remote, lengths = [], [], []
@@ -128,13 +198,33 @@ class ReadHandle:
                 remote += [slot_addr, slot_addr + HEADER_BYTES]
                 lengths += [HEADER_BYTES, it.nbytes]
         batch = _Batch(node.session_address, items, idx)
-        try:
-            batch_id = self._te.submit_read(node.session_address, local, remote, lengths)
-            batch.done = self._completer.submit(self._te.complete, batch_id)
-        except TransferError as err:
-            log.warning("read from node %s: %s", node.node_id, err)
-            batch.done.set_exception(err)
         self._batches.append(batch)
+        if self._peers.known(node.session_address):
+            self._post(batch, local, remote, lengths)
+            return
+        contact = self._peers.contact(node.session_address, remote[0])
+        contact.add_done_callback(lambda f: self._after_contact(f, batch, local, remote, lengths))
+
+    def _after_contact(self, contact: Future[None], batch: _Batch, local: list[int], remote: list[int],
+                       lengths: list[int]) -> None:
+        with self._lock:
+            if batch.settled:  # the caller gave up meanwhile: nothing was posted, nothing will land
+                return
+            err = contact.exception()
+            if err is not None:
+                batch.done.set_exception(err)
+            else:
+                self._post(batch, local, remote, lengths)
+
+    def _post(self, batch: _Batch, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        try:
+            batch_id = self._te.submit_read(batch.session, local, remote, lengths)
+        except TransferError as err:
+            batch.done.set_exception(err)
+            return
+        batch.posted = True
+        completion = self._completer.submit(self._te.complete, batch_id)
+        completion.add_done_callback(lambda f: _copy_outcome(f, batch.done))
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         batch.settled = True
@@ -144,9 +234,9 @@ class ReadHandle:
                 self._ok.add(it.index)
             else:
                 self._failed.add(it.index)
-        if ok:
+        if ok or not batch.posted:
             self._scratch.give(batch.scratch)
-        # A failed or timed-out batch may still land later: its scratch is not reused.
+        # A failed or timed-out posted batch may still land later: its scratch is not reused.
 
     def _valid(self, it: ReadItem, scratch_index: int | None) -> bool:
         h = self._scratch.header(scratch_index) if scratch_index is not None else Scratch.at(it.dest_addr - HEADER_BYTES)

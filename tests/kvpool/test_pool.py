@@ -218,6 +218,50 @@ def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess
 
 
 @pytest.mark.slow
+def test_frozen_source_never_read_before_fails_on_time_and_nothing_lands_later(metaserver: MetaserverProcess) -> None:
+    """First contact with a frozen source (BUG-3): the transfer engine's handshake would block
+    the caller for about a minute. get() returns at once, the read fails by its deadline,
+    and once the source thaws the abandoned read is never posted (the destination stays
+    untouched); the next read works."""
+    proc = start_node(metaserver, "cold-src", 8)
+    cfg = PoolConfig("cold-dst", 4 * slot_bytes_for(BB), BB, NS, metaserver.address,
+                     transfer=TransferConfig(transfer_timeout_s=2, progress_timeout_s=1), read_timeout_s=2)
+    pool = NodePool(cfg, MetaClient(metaserver.address))
+    pool.start()
+    try:
+        hashes = [block_hash("chain", i) for i in range(8)]
+        dest = np.zeros(8 * BB, dtype=np.uint8)
+        pool.register_memory(dest.ctypes.data, dest.nbytes)
+        with MetaClient(metaserver.address) as c:
+            r = c.query_prefix(NS, hashes)
+        assert r.num_matched == 8
+        addrs = [dest.ctypes.data + i * BB for i in range(8)]
+        session = r.nodes[NodeId("cold-src")].session_address
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        handle = pool.get(r.locations, r.nodes, addrs)
+        get_s = time.monotonic() - t0
+        res = handle.wait(cfg.read_timeout_s + 10)
+        failed_s = time.monotonic() - t0
+        assert len(res.failed) == 8 and res.ok == ()
+        assert get_s < cfg.read_timeout_s, f"get() blocked {get_s:.1f} s on a frozen source"
+        os.kill(proc.pid, signal.SIGCONT)
+        wait_for(lambda: pool._peers.known(session), timeout_s=30)
+        time.sleep(0.5)
+        assert not dest.any(), "the abandoned read was posted after the source thawed"
+        res = pool.get(r.locations, r.nodes, addrs).wait(30)
+        assert res.failed == ()
+        assert np.array_equal(dest[3 * BB:4 * BB], block_content(hashes[3], BB))
+        print(f"get() returned in {get_s * 1e3:.1f} ms, failed after {failed_s:.2f} s")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+        pool.close()
+
+
+@pytest.mark.slow
 def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver_factory) -> None:
     ms = metaserver_factory()
     pool = make_pool(ms, "life", 8, lease_ttl_s=1)
