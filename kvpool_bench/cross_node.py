@@ -17,13 +17,13 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 from kvpool_bench.report import pct, write_report
-from kvpool_bench.workloads import (BenchRequest, hash_id_oracle, load_trace, mooncake_trace, multi_turn,
-                                    oracle_hits)
+from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace,
+                                    multi_turn, prefix_oracle)
 
 BLOCK_SIZE = 16
 VOCAB_WARM = 1000  # the token of the warm-up prompts
@@ -40,6 +40,13 @@ class Result:
     ttft_s: float
     e2e_s: float
     error: str = ""
+    prompt_ids: tuple[int, ...] = field(default=(), repr=False)   # the prompt sent (not in the JSON report)
+    output_ids: tuple[int, ...] = field(default=(), repr=False)   # the tokens generated
+
+    def report(self) -> dict:
+        d = asdict(self)
+        del d["prompt_ids"], d["output_ids"]
+        return d
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -60,7 +67,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
     m.add_argument("--system-tokens", type=int, default=256)
     m.add_argument("--user-tokens", type=int, default=128)
-    m.add_argument("--reply-tokens", type=int, default=64)
+    m.add_argument("--reply-tokens", type=int, default=0,
+                   help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
+                        "synthetic replies of N tokens the engine never computed")
     t = p.add_argument_group("trace replay")
     t.add_argument("--trace", default="", help="Mooncake-format JSONL (e.g. shared/data/mooncake_synthetic_trace.jsonl)")
     t.add_argument("--tokens-per-hash-id", type=int, default=32)
@@ -87,38 +96,50 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 # ---- one request --------------------------------------------------------------------
 
-def stream_completion(url: str, req: BenchRequest, node: int, timeout_s: float = 600) -> Result:
+def stream_completion(url: str, req: BenchRequest, node: int, prompt: tuple[int, ...] | None = None,
+                      timeout_s: float = 600) -> Result:
+    """Send `prompt` (default: the request's own) greedily, streamed, with its token ids back."""
+    prompt = req.prompt if prompt is None else prompt
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
-    body = json.dumps({"prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    body = json.dumps({"prompt": list(prompt), "max_tokens": req.max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                       "return_token_ids": True})
     t0 = time.perf_counter()
     ttft = None
     usage: dict = {}
+    output: list[int] = []
+
+    def failed(error: str) -> Result:
+        return Result(req.rid, node, len(prompt), 0, 0, 0, 0, 0, error, prompt_ids=prompt)
+
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, f"HTTP {resp.status}: {resp.read()[:200]!r}")
+            return failed(f"HTTP {resp.status}: {resp.read()[:200]!r}")
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, str(chunk["error"]))
-            if chunk.get("choices") and ttft is None:
-                ttft = time.perf_counter() - t0
+                return failed(str(chunk["error"]))
+            if chunk.get("choices"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                output += chunk["choices"][0].get("token_ids", [])
             if chunk.get("usage"):
                 usage = chunk["usage"]
     except OSError as err:
-        return Result(req.rid, node, len(req.prompt), 0, 0, 0, 0, 0, f"{type(err).__name__}: {err}")
+        return failed(f"{type(err).__name__}: {err}")
     finally:
         conn.close()
     e2e = time.perf_counter() - t0
     det = usage.get("prompt_tokens_details", {})
-    return Result(req.rid, node, len(req.prompt), usage.get("completion_tokens", 0), det.get("local_cached_tokens", 0),
-                  det.get("remote_cached_tokens", 0), ttft if ttft is not None else e2e, e2e)
+    return Result(req.rid, node, len(prompt), usage.get("completion_tokens", 0), det.get("local_cached_tokens", 0),
+                  det.get("remote_cached_tokens", 0), ttft if ttft is not None else e2e, e2e,
+                  prompt_ids=prompt, output_ids=tuple(output))
 
 
 # ---- a whole workload ---------------------------------------------------------------
@@ -137,10 +158,12 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
     """Send every request; sessions keep their order. Returns results (request order) and wall time."""
     nodes = dict(zip((r.rid for r in requests), route(routing, len(requests), len(urls), seed)))
     results: dict[str, Result] = {}
+    conversations = Conversations()
 
     def one(req: BenchRequest) -> None:
         node = nodes[req.rid]
-        results[req.rid] = stream_completion(urls[node], req, node)
+        res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req))
+        conversations.answered(req, res.prompt_ids, res.output_ids)
         on_done()
 
     t0 = time.perf_counter()
@@ -162,7 +185,15 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
     return [results[r.rid] for r in requests], time.perf_counter() - t0
 
 
-def summarize(results: list[Result], wall_s: float, oracle_tokens: int, bytes_moved: int) -> dict:
+def oracle_hits(results: list[Result]) -> list[int]:
+    """The oracle's hits on the prompts that were sent (request order): each request leaves
+    its prompt and its output but the last token in the infinite cache."""
+    return prefix_oracle([r.prompt_ids for r in results], [r.prompt_ids + r.output_ids[:-1] for r in results],
+                         BLOCK_SIZE)
+
+
+def summarize(results: list[Result], wall_s: float, bytes_moved: int) -> dict:
+    oracle_tokens = sum(h for h, r in zip(oracle_hits(results), results) if not r.error)
     ok = [r for r in results if not r.error]
     prompt = sum(r.prompt_tokens for r in ok)
     local = sum(r.local_hit_tokens for r in ok)
@@ -194,19 +225,18 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
                   "hash_id_oracle_hit_rate": hash_id_oracle(rows), "tokens_per_hash_id": args.tokens_per_hash_id}
 
 
-def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest], oracle_tokens: int) -> tuple[dict, list[Result]]:
+def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
     from kvpool.cluster import ClusterSpec, LocalCluster
 
     name = "pool-on" if pool_on else "pool-off"
     if args.urls:  # nodes that are already running (their caches may be warm)
-        return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests,
-                       oracle_tokens)
+        return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests)
     spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size=args.pool_size,
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
-        return measure(args, name, [n.url for n in cluster.nodes], requests, oracle_tokens)
+        return measure(args, name, [n.url for n in cluster.nodes], requests)
 
 
 def pool_bytes_read(urls: list[str]) -> int:
@@ -225,8 +255,8 @@ def pool_bytes_read(urls: list[str]) -> int:
     return total
 
 
-def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list[BenchRequest],
-            oracle_tokens: int) -> tuple[dict, list[Result]]:
+def measure(args: argparse.Namespace, name: str, urls: list[str],
+            requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
     """Run the workload against `urls` with a progress bar; summarize it with the pool traffic."""
     from tqdm import tqdm
 
@@ -238,7 +268,16 @@ def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list
                                      paced=args.workload == "trace" and args.time_scale > 0)
     finally:
         bar.close()
-    return summarize(results, wall, oracle_tokens, pool_bytes_read(urls) - before), results
+    return summarize(results, wall, pool_bytes_read(urls) - before), results
+
+
+def outputs_equal(results: dict[str, list[Result]]) -> int | None:
+    """How many requests generated the same tokens with the pool on as with it off (greedy:
+    a pulled block must change nothing); None unless both ran."""
+    if "pool-on" not in results or "pool-off" not in results:
+        return None
+    return sum(1 for a, b in zip(results["pool-on"], results["pool-off"], strict=True)
+               if not a.error and not b.error and a.output_ids == b.output_ids)
 
 
 def print_table(summaries: dict[str, dict]) -> None:
@@ -318,25 +357,30 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
         return 2
-    oracle = sum(oracle_hits(requests, BLOCK_SIZE))
-    print(f"workload {args.workload}: {len(requests)} requests, {sum(len(r.prompt) for r in requests):,} prompt tokens, "
-          f"{args.nodes} nodes, routing {args.routing}", flush=True)
+    replies = sum(r.continues for r in requests)
+    print(f"workload {args.workload}: {len(requests)} requests"
+          + (f" ({replies} continue a conversation with the model's reply)" if replies else
+             f", {sum(len(r.prompt) for r in requests):,} prompt tokens")
+          + f", {args.nodes} nodes, routing {args.routing}", flush=True)
     summaries: dict[str, dict] = {}
     results: dict[str, list[Result]] = {}
     for c in configs:
         name = f"pool-{c}"
         try:
-            summaries[name], results[name] = run_config(args, c == "on", requests, oracle)
+            summaries[name], results[name] = run_config(args, c == "on", requests)
         except RuntimeError as err:
             print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
             return 1
+    same = outputs_equal(results)
     print_table(summaries)
+    if same is not None:
+        print(f"outputs pool-on == pool-off (greedy, token for token): {same} of {len(requests)} requests")
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
     report = {"bench": "cross-node", "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
-              "configs": summaries,
-              "requests": {k: [asdict(r) for r in v] for k, v in results.items()},
+              "configs": summaries, "outputs_equal": same,
+              "requests": {k: [r.report() for r in v] for k, v in results.items()},
               "plots": [str(p) for p in plots]}
     write_report(args.out or str(run_dir / "report.json"), report)
     print("plots: " + ", ".join(str(p) for p in plots))

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 from kvpool_bench.cross_node import Result, stream_completion
@@ -257,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
     report = {"bench": "soak", "nodes": args.nodes, "model": args.model, "duration_s": args.duration,
               "rate_factor": args.rate_factor, "max_pending_requests": args.max_pending_requests,
               "pool_size": args.pool_size, "kv_cache_bytes": args.kv_cache_bytes, "summary": summary,
-              "samples": sampler.samples, "requests": [asdict(r) for r in results]}
+              "samples": sampler.samples, "requests": [r.report() for r in results]}
     out = args.out or str(Path(args.run_dir) / "report.json")
     write_report(out, report)
     return 0 if summary["error"] == 0 and summary["index_matches_holdings"] else 1

@@ -2,20 +2,25 @@
 
 - `multi_turn`: U users in G groups, R rounds each. Every group shares a system prompt;
   round r's prompt is the conversation so far: system prompt, then for each earlier round
-  the user's message and a fixed synthetic reply, then this round's message. (Synthetic
-  replies keep the prompts identical across the pool-on and pool-off runs.)
+  the user's message and the model's reply to it, then this round's message. The replies
+  are the model's own output (greedy), so a round's prompt is known only once the previous
+  round is answered: such requests `continue` their session and `Conversations` builds
+  their prompts as the answers come in. (Or fixed synthetic replies of `reply_tokens`
+  tokens, which the engine has never computed: every round recomputes the last reply.)
 - `mooncake_trace`: a Mooncake-format JSONL trace. Each hash id becomes a fixed chunk of
   `tokens_per_hash_id` tokens (the same id, the same tokens), so the sharing structure is
   kept while prompts shrink to what a CPU model can serve; prompts are cut at a context
   limit; arrival times come from the trace's timestamps.
 - The oracle: the prefix hit rate an infinite cache shared by every node reaches on the
   same requests in the same order, counted exactly as the engine counts its hits (chained
-  block hashes; the last prompt token is always computed).
+  block hashes; the last prompt token is always computed). The cache holds what the engine
+  computed: each request's prompt and its output but the last token (never fed back).
 """
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +36,26 @@ class BenchRequest:
     max_tokens: int
     session: str = ""          # requests of one session run one after another, in order
     arrival_s: float = 0.0     # offset from the start (trace replay with time scaling)
+    continues: bool = False    # the prompt is the session's previous prompt + the model's reply + `prompt`
+
+
+class Conversations:
+    """The full prompts of requests that continue a session, from the answers so far (the
+    requests of one session run one after another)."""
+
+    def __init__(self) -> None:
+        self._history: dict[str, tuple[int, ...]] = {}
+
+    def prompt(self, req: BenchRequest) -> tuple[int, ...]:
+        if not req.continues:
+            return req.prompt
+        if req.session not in self._history:
+            raise ValueError(f"{req.rid} continues session {req.session!r}, which has no answered request yet")
+        return self._history[req.session] + req.prompt
+
+    def answered(self, req: BenchRequest, prompt: tuple[int, ...], output: tuple[int, ...]) -> None:
+        if req.session:
+            self._history[req.session] = prompt + output
 
 
 def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
@@ -39,16 +64,23 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 def multi_turn(users: int, rounds: int, groups: int, system_tokens: int, user_tokens: int, reply_tokens: int,
                output_tokens: int, seed: int = 0) -> list[BenchRequest]:
-    """Requests in round-major order (a session's rounds stay in order)."""
-    if min(users, rounds, groups, output_tokens) < 1 or groups > users:
-        raise ValueError("users, rounds, groups and output tokens must be >= 1, and groups <= users")
+    """Requests in round-major order (a session's rounds stay in order). `reply_tokens` 0:
+    the model's replies (of `output_tokens` tokens) are the conversation's; else fixed
+    synthetic replies of that many tokens."""
+    if min(users, rounds, groups, output_tokens) < 1 or groups > users or reply_tokens < 0:
+        raise ValueError("users, rounds, groups and output tokens must be >= 1, groups <= users, "
+                         "and reply tokens >= 0")
     rng = random.Random(seed)
     systems = [_tokens(rng, system_tokens) for _ in range(groups)]
     history = {u: systems[u % groups] for u in range(users)}
     out = []
     for r in range(rounds):
         for u in range(users):
-            prompt = history[u] + _tokens(rng, user_tokens)
+            turn = _tokens(rng, user_tokens)
+            if reply_tokens == 0 and r > 0:
+                out.append(BenchRequest(f"u{u}-r{r}", turn, output_tokens, session=f"u{u}", continues=True))
+                continue
+            prompt = history[u] + turn
             out.append(BenchRequest(f"u{u}-r{r}", prompt, output_tokens, session=f"u{u}"))
             history[u] = prompt + _tokens(rng, reply_tokens)
     return out
@@ -111,16 +143,24 @@ def hash_id_oracle(rows: list[dict]) -> float:
 
 
 def oracle_hits(requests: list[BenchRequest], block_size: int, fingerprint: str = "") -> list[int]:
-    """Per request, the prompt tokens an infinite shared cache would hit (in list order)."""
+    """Per request, the prompt tokens an infinite shared cache would hit (in list order),
+    for requests whose prompts are known up front (counting their prompts only)."""
+    return prefix_oracle([r.prompt for r in requests], [r.prompt for r in requests], block_size, fingerprint)
+
+
+def prefix_oracle(prompts: Sequence[Sequence[int]], computed: Sequence[Sequence[int]], block_size: int,
+                  fingerprint: str = "") -> list[int]:
+    """Per prompt, the tokens an infinite shared cache would hit, where request i leaves the
+    full blocks of `computed[i]` (its prompt and what it generated but the last token) behind."""
     seed = chain_seed(fingerprint, None)
     seen: set[bytes] = set()
     out = []
-    for req in requests:
-        hashes = hash_blocks(seed, req.prompt, block_size)
-        limit = (len(req.prompt) - 1) // block_size
+    for prompt, done in zip(prompts, computed, strict=True):
+        hashes = hash_blocks(seed, prompt, block_size)
+        limit = (len(prompt) - 1) // block_size
         n = 0
         while n < min(limit, len(hashes)) and hashes[n] in seen:
             n += 1
         out.append(n * block_size)
-        seen.update(hashes)
+        seen.update(hash_blocks(seed, done, block_size))
     return out

@@ -88,11 +88,11 @@ async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, p
             body["choices"][0].update(prompt_token_ids=final.prompt_token_ids, token_ids=final.token_ids)
         body["usage"] = usage(final)
         return web.json_response(body)
-    return await _stream(request, outputs, rid, chat, parsed.include_usage, eng)
+    return await _stream(request, outputs, rid, chat, parsed.include_usage, eng, parsed.return_token_ids)
 
 
 async def _stream(request: web.Request, outputs, rid: str, chat: bool, include_usage: bool,  # noqa: ANN001
-                  eng: LLMEngine) -> web.StreamResponse:
+                  eng: LLMEngine, return_token_ids: bool = False) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     sent_text, sent_tokens = "", 0
     try:
@@ -103,6 +103,10 @@ async def _stream(request: web.Request, outputs, rid: str, chat: bool, include_u
             delta = out.text[len(sent_text):] if out.text.startswith(sent_text) else out.text
             chunk = completion_body(rid, eng.model_name, out, delta, chat, stream=True,
                                     logprobs=logprobs_body(eng.tokenizer, out, sent_tokens, chat))
+            if return_token_ids:  # as vLLM: the prompt's ids in the first chunk, each chunk's new ids
+                if not sent_tokens:
+                    chunk["choices"][0]["prompt_token_ids"] = out.prompt_token_ids
+                chunk["choices"][0]["token_ids"] = out.token_ids[sent_tokens:]
             sent_text, sent_tokens = out.text, len(out.token_ids)
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if out.finished and include_usage:

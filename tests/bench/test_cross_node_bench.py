@@ -16,8 +16,8 @@ def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "cross-node", "--users", "3",
-         "--rounds", "2", "--groups", "1", "--system-tokens", "96", "--user-tokens", "16", "--reply-tokens", "16",
-         "--output-tokens", "2", "--concurrency", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out),
+         "--rounds", "2", "--groups", "1", "--system-tokens", "96", "--user-tokens", "16",
+         "--output-tokens", "17", "--concurrency", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out),
          "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -34,6 +34,12 @@ def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     assert off["remote_hit_tokens"] == 0
     assert on["hit_rate"] > off["hit_rate"]
     assert len(report["requests"]["pool-on"]) == 6
+    # round 1 continues the conversation with the model's own reply: prompt + 17 generated + 16 user tokens
+    for name in ("pool-on", "pool-off"):
+        by = {r["rid"]: r for r in report["requests"][name]}
+        assert [by[f"u{u}-r1"]["prompt_tokens"] - by[f"u{u}-r0"]["prompt_tokens"] for u in range(3)] == [33] * 3
+    assert report["outputs_equal"] == 6  # greedy: the pulled KV changes no token
+    assert "outputs pool-on == pool-off (greedy, token for token): 6 of 6" in proc.stdout
     for p in report["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hit rate / oracle" in proc.stdout

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_bench.cross_node import route
-from kvpool_bench.workloads import BenchRequest, hash_id_oracle, load_trace, mooncake_trace, multi_turn, oracle_hits
+from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace, multi_turn,
+                                    oracle_hits, prefix_oracle)
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -82,6 +83,39 @@ def test_multi_turn_prompts_are_the_conversation_so_far() -> None:
     assert by["u0-r0"].prompt[:32] == by["u2-r0"].prompt[:32] != by["u1-r0"].prompt[:32]  # groups share a system prompt
     with pytest.raises(ValueError):
         multi_turn(2, 1, 3, 8, 8, 8, 1)
+
+
+def test_multi_turn_with_the_models_replies_continues_each_conversation() -> None:
+    reqs = multi_turn(users=2, rounds=3, groups=1, system_tokens=32, user_tokens=8, reply_tokens=0, output_tokens=5)
+    by = {r.rid: r for r in reqs}
+    assert [r.continues for r in reqs] == [False, False, True, True, True, True]
+    assert len(by["u0-r0"].prompt) == 40 and len(by["u0-r1"].prompt) == 8  # later rounds carry the user turn only
+    conv = Conversations()
+    with pytest.raises(ValueError, match="no answered request"):
+        conv.prompt(by["u0-r1"])
+    p0 = conv.prompt(by["u0-r0"])
+    assert p0 == by["u0-r0"].prompt
+    conv.answered(by["u0-r0"], p0, (1, 2, 3, 4, 5))
+    conv.answered(by["u1-r0"], by["u1-r0"].prompt, (9, 9, 9, 9, 9))
+    p1 = conv.prompt(by["u0-r1"])
+    assert p1 == p0 + (1, 2, 3, 4, 5) + by["u0-r1"].prompt  # the conversation so far, with the model's reply
+    conv.answered(by["u0-r1"], p1, (6, 7, 8, 9, 10))
+    assert conv.prompt(by["u0-r2"]) == p1 + (6, 7, 8, 9, 10) + by["u0-r2"].prompt
+    assert conv.prompt(by["u1-r1"])[:45] == by["u1-r0"].prompt + (9,) * 5  # sessions do not mix
+    with pytest.raises(ValueError, match="reply tokens"):
+        multi_turn(2, 1, 1, 8, 8, -1, 1)
+
+
+def test_oracle_keeps_what_was_generated_but_the_last_token() -> None:
+    a = tuple(range(100, 132))                        # 2 blocks of prompt
+    out = tuple(range(500, 517))                       # 17 generated tokens: 16 computed, the last never fed back
+    follow = a + out + (7,) * 16                       # the next round: prompt + reply + user turn
+    assert prefix_oracle([a, follow], [a + out[:-1], follow], 16) == [0, 48]  # the reply's full block is cached
+    assert prefix_oracle([a, follow], [a, follow], 16) == [0, 32]            # prompts only: the reply is recomputed
+    short = a + out[:15] + (7,) * 16                   # 15 output tokens computed (16 generated): no full block
+    assert prefix_oracle([a, short], [a + out[:15], short], 16) == [0, 32]
+    with pytest.raises(ValueError):
+        prefix_oracle([a], [], 16)
 
 
 def test_routing() -> None:

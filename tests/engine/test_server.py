@@ -91,7 +91,7 @@ def test_completion_and_chat(server: str) -> None:
 
 def test_streaming_matches_non_streaming(server: str) -> None:
     req = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "temperature": 0,
-           "max_tokens": 40}
+           "max_tokens": 40, "return_token_ids": True}
     _, whole = call(server, "/v1/chat/completions", req)
     r = urllib.request.Request(server + "/v1/chat/completions", data=json.dumps(
         dict(req, stream=True, stream_options={"include_usage": True})).encode(),
@@ -108,6 +108,11 @@ def test_streaming_matches_non_streaming(server: str) -> None:
     text = "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"])
     assert text == whole["choices"][0]["message"]["content"]
     assert len(events) > 5 and events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    # return_token_ids: the prompt's ids in the first chunk, each chunk's new ids after (as vLLM)
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert choices[0]["prompt_token_ids"] == whole["choices"][0]["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
 def test_stop_seed_and_logprobs(server: str) -> None:
