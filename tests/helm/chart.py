@@ -6,6 +6,7 @@ Helm comes from scripts/install_helm.sh (run by scripts/bootstrap.sh) at .venv/b
 """
 from __future__ import annotations
 
+import base64
 import functools
 import os
 import re
@@ -156,3 +157,34 @@ def eq_flags(args: list[str]) -> dict[str, str]:
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+# --- Secrets and the files they are mounted as ------------------------------------------------
+
+def secret_values(r: Rendered) -> dict[str, dict[str, str]]:
+    """The rendered (chart-generated) Secrets' data, decoded: {name: {key: value}}."""
+    return {s["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in s.get("data", {}).items()}
+            for s in r.all("Secret")}
+
+
+def mounted_secret_files(workload: Manifest, container_name: str) -> dict[str, tuple[str, str]]:
+    """Files a container sees from secret volumes: {path: (secret name, key)}. Every such
+    mount must be read-only, every such volume mode 0400 and list its items (no whole Secret)."""
+    spec = pod_spec(workload)
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    files: dict[str, tuple[str, str]] = {}
+    for m in container(workload, container_name).get("volumeMounts", []):
+        secret = volumes[m["name"]].get("secret")
+        if secret is None:
+            continue
+        where = f"{workload['metadata']['name']}/{container_name}: {m['name']}"
+        assert m.get("readOnly") is True, f"{where} is not mounted read-only"
+        assert secret.get("defaultMode") == 0o400, f"{where}: mode {secret.get('defaultMode')!r}, not 0400"
+        assert secret.get("items"), f"{where} mounts every key of {secret['secretName']}"
+        for item in secret["items"]:
+            assert "mode" not in item, f"{where}: {item['key']} overrides the mode"
+            files[f"{m['mountPath'].rstrip('/')}/{item['path']}"] = (secret["secretName"], item["key"])
+    mounted = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+    unmounted = [n for n, v in volumes.items() if "secret" in v and n not in mounted]
+    assert not unmounted, f"{workload['metadata']['name']} has secret volumes no container mounts: {unmounted}"
+    return files

@@ -34,7 +34,7 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 def test_value_sets_present() -> None:
     assert set(VALUE_SETS) >= {"external-etcd-values.yaml", "gpu-rdma-values.yaml", "monitoring-values.yaml",
-                               "etcd-3-values.yaml"}
+                               "etcd-3-values.yaml", "security-values.yaml"}
 
 
 def test_helm_is_v3() -> None:
@@ -155,6 +155,16 @@ def test_model_volume_source_required() -> None:
     ("engine.poolSize=lots", "engine.poolSize: Does not match pattern"),
     ("engine.transferEngineEnv.MC_TRANSFER_TIMEOUT=9", "MC_TRANSFER_TIMEOUT"),
     ("metaserver.leaseTTL=5", "Additional property leaseTTL is not allowed"),
+    ("security.tls.enabled=yes", "security.tls.enabled: Invalid type. Expected: boolean, given: string"),
+    ("security.tls.mutual=1", "security.tls.mutual: Invalid type. Expected: boolean, given: integer"),
+    ("security.tls.existingSecret=My_Cert", "security.tls.existingSecret: Does not match pattern"),
+    ("security.tls.generated.validityDays=0", "validityDays: Must be greater than or equal to 1"),
+    ("security.tls.mutualTLS=true", "Additional property mutualTLS is not allowed"),
+    ("security.tokens.adminTokenKey=a/b", "security.tokens.adminTokenKey: Does not match pattern"),
+    ("security.tokens.adminToken=hunter2", "Additional property adminToken is not allowed"),
+    ("engine.apiKey.enabled=on", "engine.apiKey.enabled: Invalid type. Expected: boolean, given: string"),
+    ("engine.apiKey.key=", "engine.apiKey.key: String length must be greater than or equal to 1"),
+    ("engine.drainOnStop=no", "engine.drainOnStop: Invalid type. Expected: boolean, given: string"),
 ])
 def test_schema_rejects_bad_values(setting: str, message: str) -> None:
     err = render_error(setting)
@@ -169,19 +179,6 @@ def test_schema_accepts_the_value_sets() -> None:
 
 
 # --- NOTES.txt ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def notes_chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the chart that carries NOTES.txt in a ConfigMap `helm template` renders.
-    Helm renders NOTES only on install, which needs a cluster even with --dry-run
-    (helm/helm#13144)."""
-    chart = tmp_path_factory.mktemp("notes") / "kvpool"
-    shutil.copytree(CHART, chart)
-    (chart / "templates" / "zz-notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
-        '  NOTES.txt: {{ include (print .Template.BasePath "/NOTES.txt") . | quote }}\n')
-    return chart
-
 
 def _notes(chart: Path, *sets: str, api_versions: tuple[str, ...] = ()) -> str:
     """NOTES.txt as `helm install` would print it."""

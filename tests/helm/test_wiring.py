@@ -42,8 +42,8 @@ from tests.helm.chart import (
 ENGINE_POD = f"{name('engine')}-0"
 METASERVER_POD = f"{name('metaserver')}-7d9c-x2x"
 VALUE_SETS = [(), ("external-etcd-values.yaml",), ("gpu-rdma-values.yaml",), ("monitoring-values.yaml",),
-              ("etcd-3-values.yaml",)]
-IDS = ["default", "external-etcd", "gpu-rdma", "monitoring", "etcd-3"]
+              ("etcd-3-values.yaml",), ("security-values.yaml",)]
+IDS = ["default", "external-etcd", "gpu-rdma", "monitoring", "etcd-3", "security"]
 
 
 def _values(files: tuple[str, ...]) -> dict:
@@ -267,6 +267,11 @@ def test_probes(files: tuple[str, ...]) -> None:
     ms = container(r.find("Deployment", name("metaserver")), "metaserver")
     grpc_port = _named_port(ms, "grpc")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if _values(files)["security"]["tls"]["enabled"]:
+            # The kubelet's grpc probe cannot do TLS: an exec health check (test_security.py).
+            script = ms[probe]["exec"]["command"][-1]
+            assert f'"127.0.0.1:{grpc_port}"' in script and 'HealthCheckRequest(service="")' in script, probe
+            continue
         assert ms[probe]["grpc"]["port"] == grpc_port, probe
         assert ms[probe]["grpc"].get("service", "") == ""   # "" is SERVING once the index is loaded
     eng = container(r.find("StatefulSet", name("engine")), "engine")

@@ -98,6 +98,7 @@ the metaserver's client fails over between addresses, and refuses DNS names in a
 {{- else if eq $mv.type "hostPath" -}}
 {{- $_ := required "engine.modelVolume.hostPath is required when engine.modelVolume.type=hostPath" $mv.hostPath -}}
 {{- end -}}
+{{- include "kvpool.validateSecurity" . -}}
 {{- end -}}
 
 {{/* The pod-template annotation that rolls pods when the ConfigMap changes. */}}
