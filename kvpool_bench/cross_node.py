@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from engine.cli import read_api_key
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace,
                                     multi_turn, prefix_oracle)
@@ -89,6 +90,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--urls", default="",
                    help="run against these running nodes instead (http://HOST:PORT,...; e.g. a Helm release's "
                         "pods): one configuration, named pool-on, no cluster started")
+    p.add_argument("--api-key-file", default="",
+                   help="the nodes' API key (as `kvpool serve --api-key-file`; default $KVPOOL_API_KEY), with --urls")
     p.add_argument("--run-dir", default="runs/cross-node")
     p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
     p.add_argument("--no-progress", action="store_true")
@@ -97,7 +100,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 # ---- one request --------------------------------------------------------------------
 
 def stream_completion(url: str, req: BenchRequest, node: int, prompt: tuple[int, ...] | None = None,
-                      timeout_s: float = 600) -> Result:
+                      timeout_s: float = 600, api_key: str = "") -> Result:
     """Send `prompt` (default: the request's own) greedily, streamed, with its token ids back."""
     prompt = req.prompt if prompt is None else prompt
     u = urlparse(url)
@@ -114,7 +117,10 @@ def stream_completion(url: str, req: BenchRequest, node: int, prompt: tuple[int,
         return Result(req.rid, node, len(prompt), 0, 0, 0, 0, 0, error, prompt_ids=prompt)
 
     try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request("POST", "/v1/completions", body, headers)
         resp = conn.getresponse()
         if resp.status != 200:
             return failed(f"HTTP {resp.status}: {resp.read()[:200]!r}")
@@ -154,7 +160,8 @@ def route(kind: str, num_requests: int, num_nodes: int, seed: int) -> list[int]:
 
 
 def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, concurrency: int, seed: int,
-                 on_done: Callable[[], None] = lambda: None, paced: bool = False) -> tuple[list[Result], float]:
+                 on_done: Callable[[], None] = lambda: None, paced: bool = False,
+                 api_key: str = "") -> tuple[list[Result], float]:
     """Send every request; sessions keep their order. Returns results (request order) and wall time."""
     nodes = dict(zip((r.rid for r in requests), route(routing, len(requests), len(urls), seed)))
     results: dict[str, Result] = {}
@@ -162,7 +169,7 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
 
     def one(req: BenchRequest) -> None:
         node = nodes[req.rid]
-        res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req))
+        res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req), api_key=api_key)
         conversations.answered(req, res.prompt_ids, res.output_ids)
         on_done()
 
@@ -265,7 +272,8 @@ def measure(args: argparse.Namespace, name: str, urls: list[str],
     try:
         results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
                                      on_done=lambda: bar.update(1),
-                                     paced=args.workload == "trace" and args.time_scale > 0)
+                                     paced=args.workload == "trace" and args.time_scale > 0,
+                                     api_key=args.api_key)
     finally:
         bar.close()
     return summarize(results, wall, pool_bytes_read(urls) - before), results
@@ -354,6 +362,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         requests, info = build_workload(args)
+        args.api_key = read_api_key(args.api_key_file)
     except (ValueError, OSError) as err:
         print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
         return 2

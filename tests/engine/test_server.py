@@ -255,3 +255,23 @@ def test_fuzzed_requests_get_clear_errors_and_change_nothing(server: str) -> Non
     assert seen.get(400, 0) > 50, seen  # the fuzzer reached the validation, not only the happy path
     assert call(server, "/health")[0] == 200
     assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+
+
+def test_cross_node_bench_against_a_node_with_an_api_key(server: str, tmp_path: Path) -> None:
+    """`kvpool bench cross-node --urls` sends the key from --api-key-file (401s without it)."""
+    key_file = tmp_path / "key"
+    key_file.write_text(API_KEY + "\n")
+    args = [sys.executable, "-m", "kvpool", "bench", "cross-node", "--urls", server, "--users", "1", "--rounds", "2",
+            "--groups", "1", "--system-tokens", "32", "--user-tokens", "8", "--output-tokens", "2", "--no-progress",
+            "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "r.json")]
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_API_KEY"}
+    ok = subprocess.run([*args, "--api-key-file", str(key_file)], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    on = json.loads((tmp_path / "r.json").read_text())["configs"]["pool-on"]
+    assert on["requests"] == 2 and on["errors"] == 0
+    denied = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert denied.returncode == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["configs"]["pool-on"]["errors"] == 2
+    assert all("HTTP 401" in r["error"] for r in report["requests"]["pool-on"])
