@@ -6,8 +6,9 @@ the maintained asyncio clients either lose watches on disconnect or retry non-id
 transactions; this wrapper is small enough to get those two things right:
 
 - every call has a deadline, and gRPC failures become `EtcdUnavailable` / `LeaseNotFound`;
-- `watch_prefix` resumes from the last revision it delivered after any disconnect, and
-  raises `WatchCompacted` when etcd no longer has that history (the caller resyncs);
+- `watch_prefix` resumes from the last revision it delivered after any disconnect (telling
+  the caller through `on_unavailable` first), and raises `WatchCompacted` when etcd no
+  longer has that history (the caller resyncs);
 - `lease_keepalive` uses one shared keepalive stream that is re-opened whenever a write or
   read on it fails (a write on a dead `grpc.aio` stream raises `asyncio.InvalidStateError`,
   not `AioRpcError`);
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -164,6 +165,17 @@ class EtcdClient:
             raise _wrap(err, "status") from None
         return resp.header.revision
 
+    async def probe(self, key: bytes, timeout_s: float | None = None) -> int:
+        """A cheap liveness check: a linearizable count-only range on `key` (it needs a leader
+        and a quorum, as writes and lease renewals do). Returns the revision; raises
+        EtcdUnavailable if etcd does not answer within `timeout_s` (default: the client's)."""
+        req = rpc.RangeRequest(key=key, count_only=True)
+        try:
+            resp = await self._kv.Range(req, timeout=self.timeout_s if timeout_s is None else timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise _wrap(err, "probe") from None
+        return resp.header.revision
+
     async def get_prefix(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         """All keys under `prefix` at one revision, paged; returns (kvs, revision)."""
         end = prefix_end(prefix)
@@ -246,12 +258,15 @@ class EtcdClient:
 
     # ---- watch ----------------------------------------------------------------------
 
-    async def watch_prefix(self, prefix: bytes, start_revision: int,
-                           retry_s: float = 0.2) -> AsyncIterator[list[WatchEvent]]:
+    async def watch_prefix(self, prefix: bytes, start_revision: int, retry_s: float = 0.2,
+                           on_unavailable: Callable[[EtcdUnavailable], None] | None = None,
+                           ) -> AsyncIterator[list[WatchEvent]]:
         """Yield batches of changes under `prefix` from `start_revision` on, forever.
 
-        Survives disconnects by re-watching from the revision after the last one delivered.
-        Raises WatchCompacted if that revision is no longer available.
+        Survives disconnects by re-watching from the revision after the last one delivered;
+        before each retry after a failure that means etcd is unreachable, `on_unavailable` is
+        called with it (on this loop). Raises WatchCompacted if that revision is no longer
+        available.
         """
         next_rev = start_revision
         while True:
@@ -276,6 +291,11 @@ class EtcdClient:
                     yield batch
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
                 log.warning("etcd watch on %r broke (%s); resuming from revision %d", prefix, err, next_rev)
+                # A write on a dead stream raises InvalidStateError: etcd is gone as well.
+                wrapped = (_wrap(err, "watch") if isinstance(err, grpc.aio.AioRpcError)
+                           else EtcdUnavailable(f"watch: {err!r}"))
+                if on_unavailable is not None and isinstance(wrapped, EtcdUnavailable):
+                    on_unavailable(wrapped)
             finally:
                 call.cancel()
             await asyncio.sleep(retry_s)

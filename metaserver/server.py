@@ -10,7 +10,9 @@ changes through to etcd (bounded by shutdown_flush_s) and exit.
 
 Health: "" and "kvpool.v1.MetaService" are SERVING once the index is loaded;
 "kvpool.v1.MetaService.etcd" is NOT_SERVING while etcd is unreachable (degraded: queries
-are still answered from memory and changes are queued).
+are still answered from memory and changes are queued), also while idle: any failed etcd
+call and the store's periodic probe report it (`DurableStore.report_unreachable`,
+`DurableStore._probe_loop`), and the probe turns it SERVING again once etcd answers.
 
 Security (both off by default): TLS on the port, optionally mutual (clients must present a
 certificate signed by the configured CA), and bearer tokens checked per call
@@ -135,7 +137,7 @@ class MetaServer:
                 delay = min(delay * 2, 2.0)
         self.service.store.on_health_change = lambda ok: self._set_health(_SERVING if ok else _NOT_SERVING,
                                                                          ETCD_HEALTH_NAME)
-        self._set_health(_SERVING, ETCD_HEALTH_NAME)
+        self._set_health(_SERVING if self.service.store.healthy else _NOT_SERVING, ETCD_HEALTH_NAME)
         self._set_health(_SERVING)
         self._ready.set()
         log.info("metaserver %s ready", self.config.replica_name)

@@ -143,6 +143,7 @@ class MetaService:
                     snap = await self.store.load()
                     break
                 except EtcdUnavailable:
+                    self.store.report_unreachable()
                     await asyncio.sleep(self.config.etcd_retry_s)
             with self.lock:
                 self._rebuild(snap)
@@ -249,6 +250,8 @@ class MetaService:
                               Namespace(namespace), lease_id, granted, session_digest=session_digest(token))
             await self.store.write_node(node)
         except EtcdError as err:
+            if isinstance(err, EtcdUnavailable):
+                self.store.report_unreachable()
             raise Unavailable(f"cannot register node {node_id!r} while etcd is unavailable: {err}") from None
         with self.lock:
             if old is not None:
@@ -274,7 +277,9 @@ class MetaService:
                 self._lease_lost(lease_id)
             raise NotFound(f"lease of node {node_id!r} expired; register again") from None
         except EtcdUnavailable:
-            # Degraded: etcd renews every lease to its full TTL when it comes back.
+            # Degraded: etcd renews every lease to its full TTL when it comes back. Health says
+            # so (the store probes etcd until it answers again).
+            self.store.report_unreachable()
             return node.lease_ttl_s
 
     async def unregister_node(self, node_id: str, lease_id: int, proof: str | None = None) -> int:
@@ -289,6 +294,7 @@ class MetaService:
         try:
             await self.store.etcd.lease_revoke(lease_id)
         except EtcdUnavailable as err:
+            self.store.report_unreachable()
             raise Unavailable(f"cannot unregister while etcd is unreachable: {err}") from None
         with self.lock:
             self.store.drop_lease_ops(lease_id)

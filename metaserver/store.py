@@ -15,6 +15,13 @@ for one key. While etcd is unreachable the queue is kept and retried with backof
 `healthy` is False; nothing is lost unless this process dies, in which case the nodes
 re-publish what they hold when they re-register.
 
+Health: `healthy` turns False when a write fails with EtcdUnavailable, or when another etcd
+call does (lease keepalive, registration, the watch: their callers `report_unreachable()`),
+or when the prober's check fails. The prober (a cheap count-only range with a short
+deadline) runs when nothing reached etcd for PROBE_IDLE_S, so an outage is noticed without
+any traffic, and, while unhealthy, with backoff until etcd answers again, so health comes
+back without writes. QueryPrefix never waits for any of this: it reads memory only.
+
 Threading: the flusher, load and watch run on the metaserver's event loop; `enqueue` and
 friends are called from gRPC handler threads. Both sides hold the shared `lock` while they
 touch the queue; callers of the queue methods must hold it. After queueing, a caller calls
@@ -35,6 +42,10 @@ from metaserver.etcd import Delete, EtcdClient, EtcdError, EtcdUnavailable, Leas
 from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
+
+PROBE_IDLE_S = 1.0     # probe etcd when no write or probe succeeded for this long (and, at most,
+                       # the probes' backoff while etcd is unreachable)
+PROBE_TIMEOUT_S = 1.0  # a probe's deadline (at most the configured etcd_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +136,10 @@ class DurableStore:
         self._wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._flusher: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._probe_now = asyncio.Event()  # cut the prober's wait short (health turned bad)
+        self._last_ok = time.monotonic()   # when etcd last answered a write or a probe
+        self.probes = 0                    # probes sent (tests, logs)
         self.healthy = True
         self.on_health_change: Callable[[bool], None] = lambda healthy: None
 
@@ -183,22 +198,85 @@ class DurableStore:
         return True
 
     def start(self) -> None:
-        """Start the flusher on the running loop."""
+        """Start the flusher and the prober on the running loop."""
         self._loop = asyncio.get_running_loop()
+        self._last_ok = time.monotonic()  # load() has just read etcd
         self._flusher = asyncio.create_task(self._flush_loop(), name="etcd-flusher")
+        self._prober = asyncio.create_task(self._probe_loop(), name="etcd-prober")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._flusher, *self._tasks) if t is not None]
+        tasks = [t for t in (self._flusher, self._prober, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def report_unreachable(self) -> None:
+        """An etcd call outside the flusher (lease keepalive, registration, the watch) failed
+        with EtcdUnavailable: mark etcd unhealthy; the prober brings it back once etcd answers.
+        Any thread (the service calls it on the loop thread)."""
+        loop = self._loop
+        if loop is not None and not _running_on(loop):
+            loop.call_soon_threadsafe(self._set_healthy, False)
+        else:
+            self._set_healthy(False)
+
     def _set_healthy(self, healthy: bool) -> None:
+        """Loop thread (or before start)."""
+        if healthy:
+            self._last_ok = time.monotonic()
         if healthy != self.healthy:
             self.healthy = healthy
             log.warning("etcd %s; %d changes queued", "reachable again" if healthy else "unreachable",
                         self.pending_writes)
+            if not healthy:
+                self._probe_now.set()  # start probing with the short backoff
             self.on_health_change(healthy)
+
+    async def _probe(self) -> bool:
+        """One cheap check that etcd answers (a count-only linearizable range on a key that
+        does not exist, with a short deadline); updates `healthy`."""
+        self.probes += 1
+        try:
+            await self.etcd.probe(self.keys.prefix, min(PROBE_TIMEOUT_S, self.config.etcd_timeout_s))
+        except EtcdUnavailable as err:
+            if self.healthy:
+                log.info("etcd probe failed: %s", err)
+            self._set_healthy(False)
+            return False
+        except EtcdError as err:  # etcd answered, with an error: it is reachable
+            log.error("etcd probe answered with an error: %s", err)
+        self._set_healthy(True)
+        return True
+
+    async def _probe_loop(self) -> None:
+        """While healthy: probe whenever etcd has not answered a write or a probe for
+        PROBE_IDLE_S (an idle replica notices an outage within about PROBE_IDLE_S + the probe
+        deadline). While unhealthy: probe with backoff (etcd_retry_s doubling up to
+        PROBE_IDLE_S) until etcd answers, writes or no writes."""
+        backoff = self.config.etcd_retry_s
+        while True:
+            delay = self._last_ok + PROBE_IDLE_S - time.monotonic() if self.healthy else backoff
+            woken = False
+            if delay > 0:
+                try:
+                    # Not asyncio.wait_for: in 3.11 it can swallow a cancel that arrives as the
+                    # event is set, and stop() would wait for this task forever.
+                    async with asyncio.timeout(delay):
+                        await self._probe_now.wait()
+                    woken = True
+                except TimeoutError:
+                    pass
+            self._probe_now.clear()
+            if woken:  # health just turned bad: probe again soon, then back off
+                backoff = self.config.etcd_retry_s
+                continue
+            if self.healthy:
+                backoff = self.config.etcd_retry_s
+                if time.monotonic() - self._last_ok < PROBE_IDLE_S:
+                    continue  # a write succeeded meanwhile: no probe needed
+            else:
+                backoff = min(backoff * 2, PROBE_IDLE_S)
+            await self._probe()
 
     def _take_batch(self) -> list[Op]:
         """Up to max_txn_ops queued ops, all deletes or all puts under one lease."""
@@ -292,10 +370,18 @@ class DurableStore:
     async def watch(self, start_revision: int) -> AsyncIterator[list[tuple[Change, bytes]]]:
         """Decoded changes (with their keys) from `start_revision` on; see EtcdClient.watch_prefix."""
         events: list[WatchEvent]
-        async for events in self.etcd.watch_prefix(self.keys.prefix, start_revision, self.config.etcd_retry_s):
+        async for events in self.etcd.watch_prefix(self.keys.prefix, start_revision, self.config.etcd_retry_s,
+                                                    on_unavailable=lambda err: self.report_unreachable()):
             out = []
             for ev in events:
                 change = self.keys.decode(ev.key, ev.value, ev.is_put, ev.lease)
                 if change is not None:
                     out.append((change, ev.key))
             yield out
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

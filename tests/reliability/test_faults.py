@@ -184,33 +184,36 @@ def test_blocks_computed_during_metaserver_outage_are_shared_after_restart(pool:
 
 # ---- fault 5: etcd killed and restarted ----------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG-2 (docs/RELIABILITY.md): a replica notices that etcd is down only when a write-behind "
-    "transaction fails (metaserver/store.py _write -> _set_healthy); failed lease keepalives "
-    "(metaserver/service.py keepalive, EtcdUnavailable branch) and the failed watch leave Stats.etcd_healthy "
-    "and the kvpool.v1.MetaService.etcd health status SERVING while no block is published"))
 def test_etcd_outage_is_reported_without_writes(pool: Pool, record: FaultRecord) -> None:
     """etcd killed while the pool is idle (nodes keep their leases alive, nothing is
-    published): the replicas should report etcd unreachable (Stats, grpc health) anyway."""
+    published): the replicas report etcd unreachable (Stats, grpc health) anyway, and
+    healthy again once etcd is back, without any write (was BUG-2, fixed: failed etcd calls
+    outside the flusher and an idle-time probe update the health)."""
     from grpc_health.v1 import health_pb2
+
+    def health_is(healthy: bool) -> bool:
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        stats = [pool.replica_stats(i) for i in (0, 1)]
+        return all(s is not None and s.etcd_healthy == healthy for s in stats) and \
+            all(pool.health(i, "kvpool.v1.MetaService.etcd") == status for i in (0, 1))
 
     t0 = time.monotonic()
     pool.etcd.kill()
     try:
-        def reported() -> bool:
-            stats = [pool.replica_stats(i) for i in (0, 1)]
-            return all(s is not None and not s.etcd_healthy for s in stats) and \
-                all(pool.health(i, "kvpool.v1.MetaService.etcd") == health_pb2.HealthCheckResponse.NOT_SERVING
-                    for i in (0, 1))
-        seen = poll(reported, timeout_s=5.0)
+        seen = poll(lambda: health_is(False), timeout_s=5.0)
         record.notes.append(f"idle pool, etcd down for {since(t0):.1f} s: outage reported by both replicas: {seen}")
         if seen:
             record.timings["etcd killed -> both replicas report it"] = since(t0)
     finally:
+        t1 = time.monotonic()
         pool.etcd.start()
+        record.timings["etcd restart (process healthy)"] = since(t1)
+        back = poll(lambda: health_is(True), timeout_s=20.0)
+        if back:
+            record.timings["etcd restart -> both replicas SERVING again (no write)"] = since(t1)
         wait_for(lambda: all(s is not None and s.etcd_healthy and s.pending_writes == 0
                              for s in (pool.replica_stats(0), pool.replica_stats(1))), timeout_s=60, interval_s=0.05)
-    assert seen
+    assert seen and back
 
 
 def test_etcd_killed_and_restarted(pool: Pool, record: FaultRecord) -> None:
