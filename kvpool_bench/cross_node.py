@@ -66,8 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--users", type=int, default=9, help="odd with 2 nodes: a user's rounds alternate nodes")
     m.add_argument("--rounds", type=int, default=4)
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
-    m.add_argument("--system-tokens", type=int, default=256)
-    m.add_argument("--user-tokens", type=int, default=128)
+    m.add_argument("--system-tokens", type=int, default=192)
+    m.add_argument("--user-tokens", type=int, default=64)
     m.add_argument("--reply-tokens", type=int, default=0,
                    help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
                         "synthetic replies of N tokens the engine never computed")
@@ -81,7 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
-    p.add_argument("--output-tokens", type=int, default=8, help="max tokens per request")
+    p.add_argument("--output-tokens", type=int, default=None,
+                   help="max tokens per request (default: 64 for multi-turn, the model's replies; 8 for a trace)")
     p.add_argument("--kv-cache-bytes", default="96MiB",
                    help="each node's own KV cache (its local prefix cache), sized like a GPU's: the requests in "
                         "flight and little more; the pool adds DRAM beside it")
@@ -219,10 +220,15 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int) -> dict:
 
 
 def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
+    if args.output_tokens is None:
+        args.output_tokens = 64 if args.workload == "multi-turn" else 8
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed)
-        return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups}
+        return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups,
+                      "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+                      "replies": f"synthetic, {args.reply_tokens} tokens" if args.reply_tokens else
+                      f"the model's, {args.output_tokens} tokens"}
     if not args.trace:
         raise ValueError("--workload trace needs --trace PATH")
     rows = load_trace(args.trace, args.max_requests, args.first_request)
