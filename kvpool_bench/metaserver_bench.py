@@ -4,20 +4,32 @@ Starts its own etcd and two metaserver replicas (127.0.0.1, ended by PID at the 
 measures, in one run:
 - Publish throughput (blocks/s acknowledged, batched) and the rate they become durable in etcd;
 - QueryPrefix latency p50/p99 for 64-hash chains at several offered loads (open loop: sends
-  follow a fixed schedule whatever the answers do; latency counts from the send);
+  follow a fixed schedule whatever the answers do; latency counts from the send, and how late
+  the client sent against its schedule is reported beside it);
 - the maximum QueryPrefix rate from one client process (closed loop);
 - replica convergence (publish on one replica, answered by the other) and lease-expiry delay.
+
+Every QueryPrefix figure has a no-op twin measured right after it the same way: the standard
+gRPC health check (`grpc.health.v1.Health/Check`) on the same server and channel, i.e. the
+cost of a Python gRPC call itself, the floor under any answer. Each step also reports the CPU
+that processes outside the benchmark used meanwhile (the machine is shared; Linux only).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
+import os
 import random
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool_bench.report import pct, write_report
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
@@ -83,18 +95,80 @@ def make_queries(args: argparse.Namespace, n: int) -> list[pb.QueryPrefixRequest
     return out
 
 
-async def open_loop(stub: pb_grpc.MetaServiceStub, queries: list[pb.QueryPrefixRequest], rate: float,
-                    seconds: float) -> dict:
+class OtherCpu:
+    """CPU time that processes outside the benchmark use during a step, in cores: the whole
+    machine's busy time (/proc/stat) minus this process's and `pids`'s. None without /proc."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._start: tuple[float, float, float] | None = None
+
+    def _machine_busy(self) -> float:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return (sum(v) - v[3] - v[4]) / self._tick  # all but idle and iowait (steal included)
+
+    def _ours(self) -> float:
+        total = sum(os.times()[:2])
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / self._tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def start(self) -> None:
+        try:
+            self._start = (time.perf_counter(), self._machine_busy(), self._ours())
+        except OSError:
+            self._start = None
+
+    def stop(self) -> float | None:
+        if self._start is None:
+            return None
+        t0, busy0, ours0 = self._start
+        try:
+            other = (self._machine_busy() - busy0) - (self._ours() - ours0)
+        except OSError:
+            return None
+        return max(0.0, other / (time.perf_counter() - t0))
+
+
+Call = Callable[..., Awaitable[Any]]
+
+
+@contextlib.contextmanager
+def no_client_gc() -> Iterator[None]:
+    """No garbage collection in this (client) process during a measured step: its pauses
+    (about 1 ms for a young collection here) would count as server latency."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def open_loop(call: Call, requests: Sequence[Any], rate: float, seconds: float,
+                    other: OtherCpu | None = None) -> dict:
+    """Send `rate` calls/s for `seconds` whatever the answers do; latency counts from the send."""
     n = int(rate * seconds)
     lat: list[float] = []
+    lag: list[float] = []  # how late each send was against the schedule (the client's own delay)
     errors = 0
+    if other:
+        other.start()
     t0 = time.perf_counter()
 
-    async def one(i: int) -> None:
+    async def one(i: int, scheduled: float) -> None:
         nonlocal errors
         sent = time.perf_counter()
+        lag.append(sent - scheduled)
         try:
-            await stub.QueryPrefix(queries[i % len(queries)], timeout=5)
+            await call(requests[i % len(requests)], timeout=5)
             lat.append(time.perf_counter() - sent)
         except grpc.aio.AioRpcError:
             errors += 1
@@ -105,15 +179,17 @@ async def open_loop(stub: pb_grpc.MetaServiceStub, queries: list[pb.QueryPrefixR
         delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i)))
+        tasks.append(asyncio.create_task(one(i, scheduled)))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
     return {"offered_qps": rate, "achieved_qps": len(lat) / elapsed, "p50_ms": pct(lat, 50) * 1e3,
-            "p99_ms": pct(lat, 99) * 1e3, "errors": errors}
+            "p99_ms": pct(lat, 99) * 1e3, "errors": errors, "send_lag_p99_ms": pct(lag, 99) * 1e3,
+            "other_cpu_cores": other.stop() if other else None}
 
 
-async def closed_loop(stub: pb_grpc.MetaServiceStub, queries: list[pb.QueryPrefixRequest], concurrency: int,
-                      seconds: float) -> dict:
+async def closed_loop(call: Call, requests: Sequence[Any], concurrency: int, seconds: float,
+                      other: OtherCpu | None = None) -> dict:
+    """`concurrency` calls always in flight from this one process for `seconds`."""
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -121,13 +197,16 @@ async def closed_loop(stub: pb_grpc.MetaServiceStub, queries: list[pb.QueryPrefi
         nonlocal done
         i = k
         while time.perf_counter() < deadline:
-            await stub.QueryPrefix(queries[i % len(queries)], timeout=5)
+            await call(requests[i % len(requests)], timeout=5)
             done += 1
             i += concurrency
 
+    if other:
+        other.start()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(k) for k in range(concurrency)))
-    return {"concurrency": concurrency, "max_qps": done / (time.perf_counter() - t0)}
+    return {"concurrency": concurrency, "max_qps": done / (time.perf_counter() - t0),
+            "other_cpu_cores": other.stop() if other else None}
 
 
 async def convergence(stub_a: pb_grpc.MetaServiceStub, stub_b: pb_grpc.MetaServiceStub, samples: int) -> dict:
@@ -159,15 +238,22 @@ async def lease_expiry(stub_a: pb_grpc.MetaServiceStub, stub_b: pb_grpc.MetaServ
     return {"ttl_s": ttl_s, "dropped_on_both_replicas_after_s": time.perf_counter() - t0}
 
 
-async def run(args: argparse.Namespace, a: str, b: str) -> dict:
+async def run(args: argparse.Namespace, a: str, b: str, other: OtherCpu) -> dict:
     ch_a, ch_b = grpc.aio.insecure_channel(a), grpc.aio.insecure_channel(b)
     stub_a, stub_b = pb_grpc.MetaServiceStub(ch_a), pb_grpc.MetaServiceStub(ch_b)
+    noop, noop_req = health_pb2_grpc.HealthStub(ch_a).Check, [health_pb2.HealthCheckRequest()]
     report: dict = {"publish": await publish_phase(stub_a, args)}
     queries = make_queries(args, 4096)
-    await open_loop(stub_a, queries, 200, 0.5)  # warm-up
-    report["query_latency"] = [await open_loop(stub_a, queries, float(r), args.seconds)
-                               for r in args.loads.split(",")]
-    report["query_max_rate"] = await closed_loop(stub_a, queries, args.concurrency, args.seconds)
+    await open_loop(stub_a.QueryPrefix, queries, 200, 0.5)  # warm-up
+    await open_loop(noop, noop_req, 200, 0.5)
+    report["query_latency"], report["noop_latency"] = [], []
+    with no_client_gc():
+        for r in args.loads.split(","):  # each QueryPrefix step, then its no-op twin
+            report["query_latency"].append(await open_loop(stub_a.QueryPrefix, queries, float(r), args.seconds, other))
+            report["noop_latency"].append(await open_loop(noop, noop_req, float(r), args.seconds, other))
+        report["query_max_rate"] = await closed_loop(stub_a.QueryPrefix, queries, args.concurrency, args.seconds,
+                                                     other)
+        report["noop_max_rate"] = await closed_loop(noop, noop_req, args.concurrency, args.seconds, other)
     report["replica_convergence"] = await convergence(stub_a, stub_b, 50)
     report["lease_expiry"] = await lease_expiry(stub_a, stub_b, 2)
     await ch_a.close()
@@ -175,34 +261,50 @@ async def run(args: argparse.Namespace, a: str, b: str) -> dict:
     return report
 
 
+def _cores(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def print_report(r: dict) -> None:
     p = r["publish"]
     print(f"\nPublish: {p['blocks']} blocks in batches of {p['batch']}: "
           f"{p['acked_blocks_per_s']:,.0f} blocks/s acknowledged, {p['durable_blocks_per_s']:,.0f} blocks/s durable in etcd"
           f"   (target >= 50,000 blocks/s)")
-    print(f"\nQueryPrefix, {CHAIN}-hash chains (target: p99 <= 2 ms at 1,000 q/s)")
-    print(f"{'offered q/s':>12} {'achieved q/s':>13} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
-    for row in r["query_latency"]:
-        print(f"{row['offered_qps']:>12.0f} {row['achieved_qps']:>13.0f} {row['p50_ms']:>8.3f} "
-              f"{row['p99_ms']:>8.3f} {row['errors']:>7}")
-    m = r["query_max_rate"]
-    print(f"\nQueryPrefix max rate, one client process, {m['concurrency']} in flight: {m['max_qps']:,.0f} q/s"
-          "   (target >= 3,000 q/s)")
+    print(f"\nQueryPrefix, {CHAIN}-hash chains, open loop (target: p99 <= 2 ms at 1,000 q/s)\n"
+          "  no-op: the gRPC health check, same server and channel, right after each step (the floor of a call)\n"
+          "  send lag: how late the client sent against its schedule (not counted in the latency)\n"
+          "  other CPU: cores used by processes outside the benchmark during the QueryPrefix step")
+    print(f"{'':12} {'---------------------- QueryPrefix ----------------------':>58} "
+          f"{'------------- no-op -------------':>35}")
+    print(f"{'offered q/s':>12} {'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'send lag p99':>13} "
+          f"{'achieved':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'other CPU':>10}")
+    for q, n in zip(r["query_latency"], r["noop_latency"]):
+        print(f"{q['offered_qps']:>12.0f} {q['achieved_qps']:>9.0f} {q['p50_ms']:>8.3f} {q['p99_ms']:>8.3f} "
+              f"{q['errors']:>7} {q['send_lag_p99_ms']:>10.3f} ms {n['achieved_qps']:>9.0f} "
+              f"{n['p50_ms']:>8.3f} {n['p99_ms']:>8.3f} {n['errors']:>7} {_cores(q['other_cpu_cores']):>10}")
+    m, nm = r["query_max_rate"], r["noop_max_rate"]
+    print(f"\nQueryPrefix max rate, one client process (grpc.aio), {m['concurrency']} in flight: {m['max_qps']:,.0f} q/s"
+          f"   (target >= 3,000 q/s); no-op: {nm['max_qps']:,.0f} calls/s; other CPU {_cores(m['other_cpu_cores'])}")
     c = r["replica_convergence"]
     print(f"Replica convergence (publish on A, answered by B): p50 {c['p50_ms']:.2f} ms, p99 {c['p99_ms']:.2f} ms,"
           f" max {c['max_ms']:.2f} ms   (target <= 100 ms)")
     e = r["lease_expiry"]
     print(f"Lease expiry: node with TTL {e['ttl_s']} s dropped on both replicas after "
           f"{e['dropped_on_both_replicas_after_s']:.2f} s   (target <= TTL + 1 s)")
+    if r.get("loadavg_at_start") is not None:
+        print(f"Machine load average at start: {r['loadavg_at_start']:.2f}")
 
 
 def main(args: argparse.Namespace) -> int:
     extra = tuple(args.server_args.split())
+    loadavg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
         with EtcdProcess(Path(tmp) / "etcd", fast=False) as etcd, \
                 MetaserverProcess(etcd.endpoint, Path(tmp) / "a.log", log_level="WARNING", extra_args=extra) as a, \
                 MetaserverProcess(etcd.endpoint, Path(tmp) / "b.log", log_level="WARNING", extra_args=extra) as b:
-            report = asyncio.run(run(args, a.address, b.address))
+            other = OtherCpu([pid for pid in (etcd.proc.pid if etcd.proc else None, a.pid, b.pid) if pid])
+            report = asyncio.run(run(args, a.address, b.address, other))
+    report["loadavg_at_start"] = loadavg
     report["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print_report(report)
     write_report(args.out, report)

@@ -6,8 +6,9 @@ the calls per second of grpc.aio here). Plain domain methods lock the index them
 async ones (those that talk to etcd before answering) run on the service's event loop.
 
 `add_to_server` registers every method of the service with two steps before the handler:
-the caller is authorized (`metaserver.auth`), and a request that does not parse is
-answered INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL). Handlers take
+the caller is authorized (`metaserver.auth`; with no token configured every caller is open
+and the metadata is not read), and a request that does not parse is answered
+INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL). Handlers take
 `(request, context, caller)`.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
-from metaserver.auth import METHOD_ACCESS, Authenticator, Caller
+from metaserver.auth import METHOD_ACCESS, OPEN, Authenticator, Caller
 from metaserver.errors import InvalidArgument, MetaError, Unavailable
 from metaserver.service import MetaService
 from metaserver.store import node_to_pb
@@ -80,11 +81,14 @@ class MetaServicer:
         self._timeout_s = timeout_s
 
     def add_to_server(self, server: grpc.Server, auth: Authenticator) -> None:
-        """Serve every MetaService method on `server`, each call authorized by `auth`."""
+        """Serve every MetaService method on `server`, each call authorized by `auth`.
+
+        Registered (not generic) handlers: gRPC core matches the method name itself, with no
+        Python-level handler lookup per call."""
         service = pb.DESCRIPTOR.services_by_name["MetaService"]
         handlers = {m.name: self._handler(m.name, getattr(pb, m.input_type.name), getattr(pb, m.output_type.name),
                                           auth) for m in service.methods}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        server.add_registered_method_handlers(service.full_name, handlers)
 
     def _handler(self, name: str, request_cls: type[Message], response_cls: type[Message],
                  auth: Authenticator) -> grpc.RpcMethodHandler:
@@ -97,7 +101,15 @@ class MetaServicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return method(request, context, caller)
 
-        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=_lenient(request_cls),
+        def open_behavior(request: Message | Malformed, context: grpc.ServicerContext) -> Message:
+            # No tokens configured: every caller is OPEN (what authorize answers), without
+            # reading the call's metadata.
+            if isinstance(request, Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return method(request, context, OPEN)
+
+        return grpc.unary_unary_rpc_method_handler(behavior if auth.enabled else open_behavior,
+                                                   request_deserializer=_lenient(request_cls),
                                                    response_serializer=response_cls.SerializeToString)
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -106,6 +106,21 @@ def test_health_and_reflection(metaserver: MetaserverProcess) -> None:
         assert {"kvpool.v1.MetaService", "grpc.health.v1.Health"} <= names
 
 
+
+def test_unknown_method_and_undecodable_request(metaserver: MetaserverProcess) -> None:
+    """The service's handlers are registered methods: a method it lacks is UNIMPLEMENTED, and
+    bytes that are not the request message are INVALID_ARGUMENT (not gRPC's INTERNAL)."""
+    with grpc.insecure_channel(metaserver.address) as ch:
+        for method in ("/kvpool.v1.MetaService/NoSuchMethod", "/no.such.Service/QueryPrefix"):
+            with pytest.raises(grpc.RpcError) as err:
+                ch.unary_unary(method)(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/kvpool.v1.MetaService/QueryPrefix")(b"\xff\xff\xff", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid kvpool.v1.QueryPrefixRequest" in err.value.details()
+
+
 # ---- bad input: the right status, a message, and no change to the index -----------------
 
 BAD_CASES = [
