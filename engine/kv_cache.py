@@ -40,6 +40,7 @@ class PagedKVCache:
         # [block, layer, k/v, token, kv_head, head_dim]
         self.blocks = payload.view(num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
                                    layout.head_dim)
+        self._workspace: torch.Tensor | None = None  # gather_blocks' output, reused across calls
 
     @property
     def base_address(self) -> int:
@@ -57,6 +58,20 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `num_tokens` tokens along a block table: [num_tokens, kv_heads, head_dim]."""
-        kv = self.blocks[block_ids, layer]  # [nblk, 2, bs, kvh, hd]
-        kv = kv.transpose(0, 1).reshape(2, -1, self.layout.num_kv_heads, self.layout.head_dim)
-        return kv[0, :num_tokens], kv[1, :num_tokens]
+        k = self.blocks[:, layer, 0].index_select(0, block_ids)  # [nblk, bs, kvh, hd], one copy each
+        v = self.blocks[:, layer, 1].index_select(0, block_ids)
+        shape = (-1, self.layout.num_kv_heads, self.layout.head_dim)
+        return k.view(shape)[:num_tokens], v.view(shape)[:num_tokens]
+
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of whole blocks: [2 (k/v), len(block_ids), block_size, kv_heads, head_dim], copied into
+        a workspace that the next call overwrites (batched decode attention uses it at once)."""
+        n = block_ids.shape[0]
+        shape = (2, n, self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
+        numel = 2 * n * shape[2] * shape[3] * shape[4]
+        if self._workspace is None or self._workspace.numel() < numel:
+            self._workspace = torch.empty(numel, dtype=self.layout.dtype, device=self.blocks.device)
+        kv = self._workspace[:numel].view(shape)
+        torch.index_select(self.blocks[:, layer, 0], 0, block_ids, out=kv[0])
+        torch.index_select(self.blocks[:, layer, 1], 0, block_ids, out=kv[1])
+        return kv

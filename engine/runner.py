@@ -28,22 +28,26 @@ class ModelRunner:
         spans = []
         logits_idx: list[int] = []
         samplers: list[Request] = []
-        slot_blocks: list[torch.Tensor] = []
+        slot_blocks: list[int] = []
+        bs = self.block_size
         for s in out.scheduled:
             req = s.request
             start, n = req.num_computed_tokens, s.num_new_tokens
             q0 = len(ids)
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            table = torch.tensor(self.kv.block_ids(req.request_id), dtype=torch.long, device=self.device)
-            pos = torch.arange(start, start + n, device=self.device)
-            slot_blocks.append(table[pos // self.block_size])
-            spans.append(SeqSpan(q0, n, start + n, table))
+            block_ids = self.kv.block_ids(req.request_id)
+            if n == 1:
+                slot_blocks.append(block_ids[start // bs])
+            else:
+                slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
+            spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device)))
             if s.samples:
                 logits_idx.append(q0 + n - 1)
                 samplers.append(req)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(spans, torch.cat(slot_blocks), pos_t % self.block_size)
+        meta = AttentionMetadata(spans, torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
+                                 pos_t % bs)
         return torch.tensor(ids, dtype=torch.long, device=self.device), pos_t, meta, logits_idx, samplers
 
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:

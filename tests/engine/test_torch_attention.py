@@ -1,0 +1,119 @@
+"""Batched decode attention of the torch backend against the per-sequence reference, on random
+paged caches: GQA, varied context lengths (block boundaries, one token, long), decode and
+prefill chunks in one pass, and garbage (NaN) in every cache slot outside a context."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import metadata as md
+from engine.attention import torch_backend
+from engine.attention.metadata import AttentionMetadata, SeqSpan
+from engine.kv_cache import CacheLayout, PagedKVCache
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
+
+
+def random_pass(specs: list[tuple[int, int]], seed: int, dtype: torch.dtype = torch.float32,
+                layers: int = 2) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
+    """specs: (num_query, context_len) per sequence, in batch order. Slots outside every context hold NaN
+    (the tail of a partly filled block, unused blocks, block 0), as a failed remote load can leave them."""
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(-(-ctx // BLOCK) for _, ctx in specs)
+    cache = PagedKVCache(CacheLayout(layers, KV_HEADS, HEAD_DIM, BLOCK, dtype), need + 5)
+    cache.blocks.fill_(float("nan"))
+    perm = 1 + torch.randperm(need + 4, generator=gen)  # block 0 and 4 others stay NaN
+    seqs, start, used = [], 0, 0
+    for nq, ctx in specs:
+        nb = -(-ctx // BLOCK)
+        table = perm[used:used + nb].clone()
+        used += nb
+        for layer in range(layers):
+            for kv in (0, 1):
+                vals = torch.randn(nb * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+                vals[ctx:] = float("nan")  # the tail of the last block: never to be read
+                cache.blocks[table, layer, kv] = vals.view(nb, BLOCK, KV_HEADS, HEAD_DIM)
+        seqs.append(SeqSpan(start, nq, ctx, table))
+        start += nq
+    meta = AttentionMetadata(seqs, torch.zeros(start, dtype=torch.long), torch.zeros(start, dtype=torch.long))
+    q = torch.randn(start, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, cache, meta
+
+
+def fresh(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(meta.seqs, meta.slot_block_ids, meta.slot_offsets)
+
+
+def check(q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, atol: float) -> None:
+    for layer in range(cache.layout.num_layers):
+        ref = torch_backend.paged_attention_reference(q, cache, layer, meta, 0.3)
+        out = torch_backend.paged_attention(q, cache, layer, meta, 0.3)
+        assert torch.isfinite(ref).all()
+        assert torch.isfinite(out).all(), f"layer {layer}: non-finite output (padding not masked or not zeroed)"
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= atol, f"layer {layer}: max error {err}"
+
+
+CONTEXTS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 129, 250, 37, 5, 300, 8, 47, 200]
+
+
+@pytest.mark.parametrize("group_cost,max_tokens", [(md.GROUP_COST_TOKENS, md.MAX_GROUP_TOKENS),
+                                                    (1, 1 << 30),        # one group per distinct length
+                                                    (10**9, 1 << 30),    # one group, heavy padding
+                                                    (64, 256)])          # small groups by the token cap
+def test_batched_decode_matches_reference(monkeypatch, group_cost: int, max_tokens: int) -> None:
+    monkeypatch.setattr(md, "GROUP_COST_TOKENS", group_cost)
+    monkeypatch.setattr(md, "MAX_GROUP_TOKENS", max_tokens)
+    q, cache, meta = random_pass([(1, c) for c in CONTEXTS], seed=1)
+    groups = meta.decode_groups(BLOCK)
+    rows = sorted(r for g in groups for r in g.rows.tolist())
+    assert rows == list(range(len(CONTEXTS)))  # every decode sequence in exactly one group
+    if group_cost == 10**9:
+        assert len(groups) == 1
+    if group_cost == 1:
+        assert len(groups) == len({-(-c // BLOCK) for c in CONTEXTS})
+    check(q, cache, meta, atol=1e-5)
+
+
+def test_decode_and_prefill_mixed_in_one_pass() -> None:
+    # decodes interleaved with a prefill with history, a fresh prefill, a one-block prefill
+    specs = [(1, 37), (5, 20), (1, 16), (9, 9), (1, 1), (1, 129), (16, 16), (3, 50), (1, 64)]
+    q, cache, meta = random_pass(specs, seed=2)
+    check(q, cache, meta, atol=1e-5)
+
+
+def test_no_padding_group_and_only_prefills() -> None:
+    q, cache, meta = random_pass([(1, 32)] * 5, seed=3)  # all full blocks, same length: no mask
+    assert all(g.key_mask is None for g in meta.decode_groups(BLOCK))
+    check(q, cache, meta, atol=1e-5)
+    q, cache, meta = random_pass([(12, 12), (4, 40)], seed=4)
+    assert meta.decode_groups(BLOCK) == []
+    check(q, cache, meta, atol=1e-5)
+
+
+def test_random_passes() -> None:
+    rng = random.Random(5)
+    for seed in range(6):
+        specs = []
+        for _ in range(rng.randint(1, 24)):
+            ctx = rng.randint(1, 400)
+            specs.append((1, ctx) if rng.random() < 0.7 else (rng.randint(1, ctx), ctx))
+        q, cache, meta = random_pass(specs, seed=10 + seed)
+        check(q, cache, meta, atol=1e-5)
+
+
+def test_bfloat16() -> None:
+    q, cache, meta = random_pass([(1, c) for c in CONTEXTS] + [(7, 30)], seed=6, dtype=torch.bfloat16)
+    check(q, cache, meta, atol=2e-2)
+
+
+def test_a_wrong_key_is_detected() -> None:
+    """The comparison can fail: one changed cached key of one sequence changes its output."""
+    q, cache, meta = random_pass([(1, c) for c in (40, 17, 9)], seed=7)
+    ref = torch_backend.paged_attention_reference(q, cache, 0, meta, 0.3)
+    cache.blocks[meta.seqs[1].block_table[2], 0, 0, 0] += 5.0  # token 16 of the 17-token sequence
+    out = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.3)
+    assert (out[1] - ref[1]).abs().max() > 1e-3
+    assert torch.allclose(out[[0, 2]], ref[[0, 2]], atol=1e-5)
