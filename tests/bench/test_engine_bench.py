@@ -1,0 +1,30 @@
+"""`kvpool bench engine` at toy size: both engines run, the report holds every figure the
+issue asks for, and the fp32 run carries transformers' bf16 prefill as the prefill reference."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "engine", "--dtype",
+                        "float32", "--requests", "3", "--min-prompt", "40", "--max-prompt", "90",
+                        "--output-tokens", "5", "--hf-batch", "2", "--hf-bf16-prefill-prompts", "2", "--out",
+                        str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    ours, hf = rep["kvpool"], rep["transformers"]
+    assert rep["requests"] == 3 and rep["output_tokens_each"] == 5 and rep["bf16_prefill_prompts"] == 2
+    for key in ("output_tok_per_s", "prefill_tok_per_s", "prefill_tok_per_s_same_prompts", "ttft_p50_s",
+                "ttft_p99_s", "tpot_p50_ms", "ttft_1024_cold_s", "ttft_1024_prefix_hit_s"):
+        assert ours[key] > 0, key
+    assert ours["ttft_p99_s"] >= ours["ttft_p50_s"]
+    assert hf["output_tok_per_s"] > 0 and hf["prefill_tok_per_s"] > 0 and rep["transformers_bf16_prefill_tok_per_s"] > 0
+    assert "targets: output" in r.stdout and "transformers bf16" in r.stdout
