@@ -72,7 +72,7 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     if "pool_size" in extra:
         parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,
-              "kv_load_timeout_s": base.kv_load_timeout_s} if base else {}
+              "kv_load_timeout_s": base.kv_load_timeout_s, "kv_load_wait_s": base.kv_load_wait_s} if base else {}
     return KVTransferConfig(kv_connector=args.kv_connector or (base.kv_connector if base else ""),
                             kv_connector_extra_config=extra, **fields)
 

@@ -30,11 +30,12 @@ class KVCacheManager:
 
     # ---- lookups --------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[list[KVBlock], int]:
         """The longest prefix of the request's full blocks already cached, and its tokens.
 
         Leaves at least one prompt token to compute (its logits start the output). This
-        operation does not take references: `allocate_slots` does.
+        operation does not take references: `allocate_slots` does. `record=False` leaves the
+        hit-rate counters alone (a look that `record_query` may count later).
         """
         hashes = self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -44,9 +45,14 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        self.pool.queries += request.num_tokens
-        self.pool.hits += len(hit) * self.block_size
+        if record:
+            self.record_query(request, len(hit) * self.block_size)
         return hit, len(hit) * self.block_size
+
+    def record_query(self, request: Request, num_cached: int) -> None:
+        """Count one prefix-cache lookup of `request` that hit `num_cached` tokens."""
+        self.pool.queries += request.num_tokens
+        self.pool.hits += num_cached
 
     # ---- allocation -----------------------------------------------------------------
 

@@ -72,6 +72,7 @@ class LLMEngine:
         kvt = config.kv_transfer_config
         loads = {"kv_load_failure_policy": kvt.kv_load_failure_policy, "kv_load_timeout_s": kvt.kv_load_timeout_s} \
             if kvt else {}
+        self.load_wait_s = kvt.kv_load_wait_s if kvt else 0.0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.enable_chunked_prefill, **loads), self.kv, self.connector)
         self.sampler = Sampler()
@@ -139,8 +140,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns an output for every request that produced a token or ended."""
-        out = self.scheduler.schedule()
         worker = self.connector_worker
+        if worker is not None and self.load_wait_s > 0:
+            self._load_before_batch(worker)
+        out = self.scheduler.schedule()
         if worker is not None:
             worker.bind_connector_metadata(out.kv_connector_metadata)
             worker.start_load_kv(None)
@@ -166,6 +169,26 @@ class LLMEngine:
         while self.scheduler.finished_outside_step:
             outputs.append(make_output(self.scheduler.finished_outside_step.pop()))
         return outputs
+
+    def _load_before_batch(self, worker) -> None:  # noqa: ANN001
+        """Start the loads of waiting requests with external hits and wait up to `load_wait_s`
+        for them: those done by then are reported before `schedule()`, so their requests are
+        prefilled in this step (a pool read takes milliseconds, a step of others' work often
+        hundreds). Slower loads go on in the background, as they would have anyway; the wait
+        is bounded, so a dead or frozen source delays the other requests by at most that."""
+        started = self.scheduler.start_loads()
+        if started is None:
+            return
+        meta, rids = started
+        worker.bind_connector_metadata(meta.kv_connector_metadata)
+        worker.start_load_kv(None)
+        deadline = time.monotonic() + self.load_wait_s
+        while True:
+            self._connector_report(worker, idle=False)
+            if not any(rid in self.scheduler.loading and not self.scheduler.load_reported(rid) for rid in rids) \
+                    or time.monotonic() >= deadline:
+                return
+            time.sleep(0.0005)
 
     def _connector_report(self, worker, idle: bool) -> None:  # noqa: ANN001
         from connector.base import KVConnectorOutput

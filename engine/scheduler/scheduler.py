@@ -16,6 +16,8 @@ the loaded tokens count as computed, except from the first block that failed to 
 (recomputed; or the request fails under the `fail` policy). A request still loading when
 it is aborted keeps its blocks until the load has finished, so no late write lands in a
 block another request owns. Loads cannot be preempted: they hold no running slot.
+`start_loads()`, called by the engine before `schedule()`, starts the loads of the waiting
+requests `schedule()` would admit next, so that a load reported at once joins this step.
 
 Not thread-safe: one engine loop owns it.
 """
@@ -185,6 +187,32 @@ class Scheduler:
 
     # ---- loads through the connector ------------------------------------------------
 
+    def start_loads(self) -> tuple[SchedulerOutput, list[str]] | None:
+        """Before `schedule()`: start the connector loads of the waiting requests it would
+        admit next, so that a load which finishes at once (see the engine's step) lets its
+        request be prefilled in this step's batch instead of the next. Returns the connector
+        metadata for the worker and the requests now loading, or None if none started."""
+        if self.connector is None:
+            return None
+        started: list[str] = []
+        room = self.config.max_num_seqs - len(self.running)
+        for req in list(self.waiting)[:max(room, 0)]:
+            if req.status is not RequestStatus.WAITING or self.kv.has_blocks(req):
+                continue
+            computed, num_cached = self.kv.get_computed_blocks(req, record=False)
+            num_external, _ = self.connector.get_num_new_matched_tokens(req, num_cached)
+            if not num_external:  # no external hit (counted when schedule() admits it), or ask later
+                continue
+            if not self._start_load(req, computed, num_cached, num_external):
+                break
+            self.kv.record_query(req, num_cached)
+            started.append(req.request_id)
+        if not started:
+            return None
+        out = SchedulerOutput()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out, started
+
     def _start_load(self, req: Request, computed: list, num_cached: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and park the request while they load."""
         assert self.connector is not None
@@ -200,6 +228,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[req.request_id] = time.monotonic()
         return True
+
+    def load_reported(self, rid: str) -> bool:
+        """The worker side has reported this request's load finished (not yet taken up)."""
+        return rid in self._finished_recving
 
     def _load_finished(self, req: Request) -> bool:
         """True once the request's load is over and it can be scheduled (possibly recomputing)."""

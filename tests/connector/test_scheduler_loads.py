@@ -207,3 +207,55 @@ def test_unknown_connector_name() -> None:
 
     with pytest.raises(ValueError, match="unknown KV connector 'lmcache'; known: MooncakeConnector, mooncake"):
         factory.create(KVTransferConfig("lmcache"), EngineContext("fp", BS, 1, 1, 0), KVConnectorRole.WORKER)
+
+
+# ---- loads started before the batch is formed (the engine's kv_load_wait_s) -----------
+
+def test_load_started_before_the_batch_and_reported_joins_that_steps_batch() -> None:
+    sched, conn, pool = make()
+    running = req("r", 9, base=500)
+    sched.add_request(running)
+    step(sched)                                  # r prefilled; it decodes from now on
+    r = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(r)
+    started = sched.start_loads()
+    assert started is not None and started[1] == ["a"]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and conn.allocated["a"]
+    assert not sched.load_reported("a")
+    sched.update_from_connector(KVConnectorOutput(set(), {"a"}, set()))   # the load is done at once
+    assert sched.load_reported("a")
+    out = step(sched)
+    scheduled = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    assert scheduled == {"r": 1, "a": 21 - 16}   # prefilled in this step: only the 5 tokens after the load
+    assert r.num_cached_tokens == 0 and sched.remote_hit_tokens == 16
+    assert conn.calls == 2                       # once for r, once for a: schedule() did not ask again
+
+
+def test_load_not_reported_in_time_leaves_its_request_loading_and_others_run() -> None:
+    sched, conn, pool = make()
+    r = req("a", 21)
+    conn.offer["a"] = 16
+    sched.add_request(r)
+    other = req("b", 9, base=300)
+    sched.add_request(other)
+    assert sched.start_loads()[1] == ["a"]       # b has no external hit: not started, left to schedule()
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["b"]
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert sched.start_loads() is None           # nothing new to start; a is not started twice
+    out = step(sched, report=KVConnectorOutput(set(), {"a"}, set()))
+    out = step(sched)
+    assert "a" in {s.request.request_id for s in out.scheduled}
+
+
+def test_start_loads_counts_each_lookup_once_and_respects_the_seat_limit() -> None:
+    sched, conn, pool = make()
+    sched.config = SchedulerConfig(64, 1)
+    for i in range(3):
+        conn.offer[f"q{i}"] = 8
+        sched.add_request(req(f"q{i}", 13, base=100 * i))
+    assert sched.start_loads()[1] == ["q0"]      # one seat: only the request schedule() admits next
+    assert sched.kv.pool.queries == 13           # counted once, when the load started
+    assert sched.start_loads() is None
+    assert sched.kv.pool.queries == 13
