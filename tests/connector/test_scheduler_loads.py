@@ -190,6 +190,8 @@ def test_no_blocks_for_the_load_keeps_the_request_waiting_unchanged() -> None:
     ('{"kv_connector": "mooncake", "kv_load_failure_policy": "ignore"}', "kv_load_failure_policy"),
     ('{"kv_connector": "mooncake", "colour": 1}', "unknown keys ['colour']"),
     ('{"kv_role": "kv_both"}', "kv_connector is required"),
+    ('{"kv_connector": "mooncake", "kv_load_wait_s": -1}', "kv_load_wait_s must be in [0, 10], got -1"),
+    ('{"kv_connector": "mooncake", "kv_load_wait_s": 60}', "kv_load_wait_s must be in [0, 10], got 60"),
 ])
 def test_kv_transfer_config_errors(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
