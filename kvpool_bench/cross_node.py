@@ -64,10 +64,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("multi-turn")
     m.add_argument("--users", type=int, default=9, help="odd with 2 nodes: a user's rounds alternate nodes")
-    m.add_argument("--rounds", type=int, default=4)
+    m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
     m.add_argument("--system-tokens", type=int, default=192)
-    m.add_argument("--user-tokens", type=int, default=64)
+    m.add_argument("--user-tokens", type=int, default=32)
     m.add_argument("--reply-tokens", type=int, default=0,
                    help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
                         "synthetic replies of N tokens the engine never computed")
@@ -80,7 +80,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-prompt-tokens", type=int, default=2048, help="cut prompts here (the context limit)")
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (multi-turn: users at once; default 6 for multi-turn, 4 for a trace)")
     p.add_argument("--output-tokens", type=int, default=None,
                    help="max tokens per request (default: 64 for multi-turn, the model's replies; 8 for a trace)")
     p.add_argument("--kv-cache-bytes", default="96MiB",
@@ -222,6 +223,8 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int) -> dict:
 def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     if args.output_tokens is None:
         args.output_tokens = 64 if args.workload == "multi-turn" else 8
+    if args.concurrency is None:
+        args.concurrency = 6 if args.workload == "multi-turn" else 4
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed)
@@ -376,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload {args.workload}: {len(requests)} requests"
           + (f" ({replies} continue a conversation with the model's reply)" if replies else
              f", {sum(len(r.prompt) for r in requests):,} prompt tokens")
-          + f", {args.nodes} nodes, routing {args.routing}", flush=True)
+          + f", {args.nodes} nodes, routing {args.routing}, {args.concurrency} in flight", flush=True)
     summaries: dict[str, dict] = {}
     results: dict[str, list[Result]] = {}
     for c in configs:
@@ -393,6 +396,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
     report = {"bench": "cross-node", "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
+              "concurrency": args.concurrency,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
               "configs": summaries, "outputs_equal": same,
               "requests": {k: [r.report() for r in v] for k, v in results.items()},
