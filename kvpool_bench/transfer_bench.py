@@ -39,21 +39,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--sizes", default="64KiB,256KiB,1MiB,4MiB")
     p.add_argument("--chains", default="1,16,64,256")
     p.add_argument("--max-bytes", default="256MiB", help="largest chain in bytes")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (median reported)")
+    p.add_argument("--repeat", type=int, default=7,
+                   help="timed rounds per cell; each round times every method once, in turn (median reported)")
     p.add_argument("--no-store", action="store_true", help="skip Mooncake Store")
     p.add_argument("--split-header", action="store_true",
                    help="read slot headers as separate ranges (destinations without header room)")
     p.add_argument("--out", default="runs/bench-transfer.json")
 
 
-def timed(fn: Callable[[], None], repeat: int) -> float:
-    fn()  # warm-up: connections, page faults
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def timed_interleaved(fns: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+    """Median seconds per method. Methods are interleaved (round r times each once, in turn),
+    so that drift in this shared machine's speed lands on all of them alike; one warm-up
+    call each first (connections, page faults)."""
+    for fn in fns.values():
         fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            runs[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def start_master(tmp: Path) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -148,12 +154,13 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                             raise RuntimeError(f"Mooncake Store get returned {set(rcs)}")
 
                     cell = {"block_bytes": size, "chain": chain, "bytes": nbytes}
-                    for name, fn in (("kvpool_get", ours), ("raw_te", raw_te),
-                                     ("tcp", lambda: tcp.read(memoryview(dest)[:nbytes])),
-                                     ("memcpy", lambda: np.copyto(dest[:nbytes], local_src[:nbytes])),
-                                     *((("mooncake_store", store_get),) if store is not None else ())):
-                        cell[f"{name}_s"] = timed(fn, args.repeat)
-                        cell[f"{name}_GBps"] = nbytes / cell[f"{name}_s"] / 1e9
+                    fns = {"kvpool_get": ours, "raw_te": raw_te, "tcp": lambda: tcp.read(memoryview(dest)[:nbytes]),
+                           "memcpy": lambda: np.copyto(dest[:nbytes], local_src[:nbytes])}
+                    if store is not None:
+                        fns["mooncake_store"] = store_get
+                    for name, secs in timed_interleaved(fns, args.repeat).items():
+                        cell[f"{name}_s"] = secs
+                        cell[f"{name}_GBps"] = nbytes / secs / 1e9
                     rows.append(cell)
                     print_row(cell, header=len(rows) == 1)
                 reader.close()
