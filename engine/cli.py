@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", default="1GiB", help="memory for the paged KV cache, e.g. 2GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many prefill tokens of one request per step (0 = no cap)")
     p.add_argument("--max-model-len", type=int, default=0, help="0 = the model's context length")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
@@ -83,6 +85,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
     return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                         kv_cache_bytes=parse_size(args.kv_cache_bytes),
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, device=args.device,
                         attention_backend=args.attention_backend, served_model_name=args.served_model_name,

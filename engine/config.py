@@ -18,6 +18,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30          # memory for the paged KV cache
     max_num_batched_tokens: int = 2048     # token budget of one step
     max_num_seqs: int = 64                 # requests in one step
+    long_prefill_token_threshold: int = 0  # > 0: at most this many prefill tokens of one request per step
     max_model_len: int = 0                 # 0 = the model's context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -37,3 +38,5 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")

@@ -74,7 +74,9 @@ class LLMEngine:
             if kvt else {}
         self.load_wait_s = kvt.kv_load_wait_s if kvt else 0.0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                                                   config.enable_chunked_prefill, **loads), self.kv, self.connector)
+                                                   config.enable_chunked_prefill, **loads,
+                                                   long_prefill_token_threshold=config.long_prefill_token_threshold),
+                                   self.kv, self.connector)
         self.sampler = Sampler()
         self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler)
         self._ids = itertools.count()

@@ -14,6 +14,12 @@ and the call blocks for about a minute. So the caller's thread (the engine loop)
 first contact: `Peers` does it with a header-sized read into scratch on a thread of its own,
 and the batch is posted only once that read returned and only if the caller has not given up
 by then (its deadline passed: the blocks were reported failed and are being recomputed).
+
+Completion: the binding's only whole-batch status call spins until the batch is done. A
+caller that blocks in `wait()` spins on it itself, when the transfer engine's own time bound
+for the batch (its transfer timeout plus 1 ns per byte) ends before the caller's deadline:
+no thread handoff, which is most of a small read's time. Otherwise, and for callers that poll
+`done()` (the engine loop, which must go on computing), a completion thread spins on it.
 """
 from __future__ import annotations
 
@@ -137,9 +143,15 @@ class _Batch:
     session: str
     items: list[ReadItem]
     scratch: list[int]
-    done: Future[None] = field(default_factory=Future)  # set by a completion thread
+    done: Future[None] = field(default_factory=Future)  # set by whoever completes the batch
     posted: bool = False   # the read into the destinations was submitted (it may still land)
+    batch_id: int = 0      # the transfer engine's, once posted
+    completing: bool = False  # a thread (the completer or a waiting caller) completes it
     settled: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(HEADER_BYTES + it.nbytes for it in self.items)
 
 
 def _copy_outcome(src: Future[None], dst: Future[None]) -> None:
@@ -175,7 +187,7 @@ class ReadHandle:
         with self._lock:
             for node_id, items in by_node.items():
                 self._submit(nodes[node_id], items)
-            self._poll()
+            self._poll(hand_off=False)  # the first done() or wait() decides who completes
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
         local, remote, lengths = [], [], []
@@ -200,7 +212,7 @@ class ReadHandle:
         batch = _Batch(node.session_address, items, idx)
         self._batches.append(batch)
         if self._peers.known(node.session_address):
-            self._post(batch, local, remote, lengths)
+            self._post(batch, local, remote, lengths, hand_off=False)
             return
         contact = self._peers.contact(node.session_address, remote[0])
         contact.add_done_callback(lambda f: self._after_contact(f, batch, local, remote, lengths))
@@ -216,15 +228,41 @@ class ReadHandle:
             else:
                 self._post(batch, local, remote, lengths)
 
-    def _post(self, batch: _Batch, local: list[int], remote: list[int], lengths: list[int]) -> None:
+    def _post(self, batch: _Batch, local: list[int], remote: list[int], lengths: list[int],
+              hand_off: bool = True) -> None:
         try:
-            batch_id = self._te.submit_read(batch.session, local, remote, lengths)
+            batch.batch_id = self._te.submit_read(batch.session, local, remote, lengths)
         except TransferError as err:
             batch.done.set_exception(err)
             return
         batch.posted = True
-        completion = self._completer.submit(self._te.complete, batch_id)
+        if hand_off:
+            self._hand_off(batch)
+
+    def _hand_off(self, batch: _Batch) -> None:
+        batch.completing = True
+        completion = self._completer.submit(self._te.complete, batch.batch_id)
         completion.add_done_callback(lambda f: _copy_outcome(f, batch.done))
+
+    def _complete_inline(self, end: float | None) -> None:
+        """Complete the posted batches no thread completes yet on this (waiting) thread, if the
+        transfer engine gives up on each before the caller's deadline."""
+        limit = self._deadline if end is None else min(self._deadline, end)
+        timeout_s = self._te.config.transfer_timeout_s
+        with self._lock:
+            mine = [b for b in self._batches if b.posted and not b.completing and not b.settled]
+            # The engine's bound runs from the submit, which is past: from now it is an upper bound.
+            if not mine or time.monotonic() + timeout_s + max(b.nbytes for b in mine) * 1e-9 >= limit:
+                return
+            for b in mine:
+                b.completing = True
+        for b in mine:
+            try:
+                self._te.complete(b.batch_id)
+            except TransferError as err:
+                b.done.set_exception(err)
+            else:
+                b.done.set_result(None)
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         batch.settled = True
@@ -244,11 +282,13 @@ class ReadHandle:
         return (h.magic == MAGIC and h.block_hash == loc.block_hash and h.generation == loc.generation
                 and h.payload_bytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == h.checksum)
 
-    def _poll(self) -> None:
+    def _poll(self, hand_off: bool = True) -> None:
         expired = time.monotonic() > self._deadline
         for b in self._batches:
             if b.settled:
                 continue
+            if hand_off and b.posted and not b.completing:
+                self._hand_off(b)
             if b.done.done():
                 err = b.done.exception()
                 if err is not None:
@@ -274,6 +314,7 @@ class ReadHandle:
     def wait(self, timeout_s: float | None = None) -> ReadResult:
         """Block until every block is delivered or failed (TimeoutError after `timeout_s`)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
+        self._complete_inline(end)
         while not self.done():
             pending = [b.done for b in self._batches if not b.settled]
             limit = self._deadline - time.monotonic()

@@ -67,6 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
     m.add_argument("--system-tokens", type=int, default=192)
+    m.add_argument("--context-tokens", type=int, default=0,
+                   help="each user's own context (a document, earlier chat) opening their conversation")
     m.add_argument("--user-tokens", type=int, default=32)
     m.add_argument("--reply-tokens", type=int, default=0,
                    help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
@@ -227,9 +229,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
         args.concurrency = 6 if args.workload == "multi-turn" else 4
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
-                          args.reply_tokens, args.output_tokens, args.seed)
+                          args.reply_tokens, args.output_tokens, args.seed, args.context_tokens)
         return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups,
-                      "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+                      "system_tokens": args.system_tokens, "context_tokens": args.context_tokens,
+                      "user_tokens": args.user_tokens,
                       "replies": f"synthetic, {args.reply_tokens} tokens" if args.reply_tokens else
                       f"the model's, {args.output_tokens} tokens"}
     if not args.trace:

@@ -1,7 +1,9 @@
 """Workloads of `kvpool bench cross-node` and the oracle they are judged against.
 
 - `multi_turn`: U users in G groups, R rounds each. Every group shares a system prompt;
-  round r's prompt is the conversation so far: system prompt, then for each earlier round
+  each user may also have a context of their own (a pasted document, the earlier chat: the
+  "user history" of LMCache's multi-round QA benchmark) that opens their conversation;
+  round r's prompt is the conversation so far: system prompt, the user's context, then for each earlier round
   the user's message and the model's reply to it, then this round's message. The replies
   are the model's own output (greedy), so a round's prompt is known only once the previous
   round is answered: such requests `continue` their session and `Conversations` builds
@@ -63,16 +65,17 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def multi_turn(users: int, rounds: int, groups: int, system_tokens: int, user_tokens: int, reply_tokens: int,
-               output_tokens: int, seed: int = 0) -> list[BenchRequest]:
+               output_tokens: int, seed: int = 0, context_tokens: int = 0) -> list[BenchRequest]:
     """Requests in round-major order (a session's rounds stay in order). `reply_tokens` 0:
     the model's replies (of `output_tokens` tokens) are the conversation's; else fixed
-    synthetic replies of that many tokens."""
-    if min(users, rounds, groups, output_tokens) < 1 or groups > users or reply_tokens < 0:
+    synthetic replies of that many tokens. `context_tokens`: each user's own context, after
+    the system prompt and before the first message."""
+    if min(users, rounds, groups, output_tokens) < 1 or groups > users or reply_tokens < 0 or context_tokens < 0:
         raise ValueError("users, rounds, groups and output tokens must be >= 1, groups <= users, "
-                         "and reply tokens >= 0")
+                         "and reply and context tokens >= 0")
     rng = random.Random(seed)
     systems = [_tokens(rng, system_tokens) for _ in range(groups)]
-    history = {u: systems[u % groups] for u in range(users)}
+    history = {u: systems[u % groups] + _tokens(rng, context_tokens) for u in range(users)}
     out = []
     for r in range(rounds):
         for u in range(users):

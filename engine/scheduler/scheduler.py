@@ -7,7 +7,9 @@ One step = `schedule()` -> model runner -> `update_from_output()`. Phases of `sc
 2. waiting requests in arrival order (preempted ones first): local prefix-cache hit,
    then (with a KV connector) the external hit after it, then blocks for the rest,
    chunked to the remaining token budget.
-Budgets: `max_num_batched_tokens` tokens and `max_num_seqs` requests per step.
+Budgets: `max_num_batched_tokens` tokens and `max_num_seqs` requests per step; with
+`long_prefill_token_threshold` > 0 (vLLM's knob) no request prefills more than that many
+tokens in one step, so a long prompt leaves room for the short ones that arrive beside it.
 
 With a KV connector (vLLM's scheduler-side `KVConnectorBase_V1`), a request whose prefix
 the connector can load gets blocks for those tokens and waits in WAITING_FOR_REMOTE_KVS
@@ -46,10 +48,19 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     kv_load_failure_policy: str = "recompute"   # or "fail"
     kv_load_timeout_s: float = 30.0             # a load not reported by then fails the request
+    long_prefill_token_threshold: int = 0       # > 0: a request's prefill chunk per step is at most this
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def chunk(self, num_new: int) -> int:
+        """A prefill's tokens this step before the step's budget: capped at the long-prefill
+        threshold when chunked prefill is on."""
+        t = self.long_prefill_token_threshold
+        return t if self.enable_chunked_prefill and 0 < t < num_new else num_new
 
 
 class Scheduler:
@@ -104,7 +115,7 @@ class Scheduler:
         for req in decodes + prefills:
             if budget <= 0 or req.status is not RequestStatus.RUNNING:
                 continue
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = self.config.chunk(req.num_tokens - req.num_computed_tokens)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     continue
@@ -164,7 +175,7 @@ class Scheduler:
                             break
                         skipped.append(req)
                         continue
-            num_new = req.num_tokens - num_cached
+            num_new = self.config.chunk(req.num_tokens - num_cached)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     self.waiting.appendleft(req)

@@ -102,8 +102,23 @@ def test_multi_turn_with_the_models_replies_continues_each_conversation() -> Non
     conv.answered(by["u0-r1"], p1, (6, 7, 8, 9, 10))
     assert conv.prompt(by["u0-r2"]) == p1 + (6, 7, 8, 9, 10) + by["u0-r2"].prompt
     assert conv.prompt(by["u1-r1"])[:45] == by["u1-r0"].prompt + (9,) * 5  # sessions do not mix
-    with pytest.raises(ValueError, match="reply tokens"):
+    with pytest.raises(ValueError, match="reply and context tokens >= 0"):
         multi_turn(2, 1, 1, 8, 8, -1, 1)
+
+
+def test_multi_turn_user_context_is_the_users_own_and_opens_the_conversation() -> None:
+    reqs = multi_turn(users=3, rounds=2, groups=1, system_tokens=16, user_tokens=4, reply_tokens=2, output_tokens=1,
+                      context_tokens=24)
+    by = {r.rid: r for r in reqs}
+    r0 = [by[f"u{u}-r0"].prompt for u in range(3)]
+    assert all(len(p) == 16 + 24 + 4 for p in r0)
+    assert r0[0][:16] == r0[1][:16] == r0[2][:16]                  # one group: one system prompt
+    contexts = {p[16:40] for p in r0}
+    assert len(contexts) == 3                                      # each user's context is their own
+    assert by["u1-r1"].prompt[:44] == r0[1] and len(by["u1-r1"].prompt) == 44 + 2 + 4
+    assert multi_turn(3, 2, 1, 16, 4, 2, 1, context_tokens=0)[0].prompt == multi_turn(3, 2, 1, 16, 4, 2, 1)[0].prompt
+    with pytest.raises(ValueError, match="reply and context tokens >= 0"):
+        multi_turn(3, 2, 1, 16, 4, 2, 1, context_tokens=-1)
 
 
 def test_oracle_keeps_what_was_generated_but_the_last_token() -> None:

@@ -80,6 +80,15 @@ def test_chunked_prefill_gives_identical_output(loaded, reference) -> None:  # n
     assert max(len(p) for p in prompts) > 64  # chunking really happened
 
 
+def test_long_prefill_threshold_gives_identical_output(loaded, reference) -> None:  # noqa: ANN001
+    prompts, expected = reference
+    engine = make_engine(loaded, max_num_batched_tokens=256, long_prefill_token_threshold=40,
+                         enable_prefix_caching=False)
+    outs = run_all(engine, prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.scheduler.config.long_prefill_token_threshold == 40
+
+
 def test_prefix_cache_hit_gives_identical_output(loaded, reference) -> None:  # noqa: ANN001
     prompts, expected = reference
     engine = make_engine(loaded)
