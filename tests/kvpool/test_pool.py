@@ -305,3 +305,35 @@ def test_reads_into_slot_strided_memory_one_range_per_block(two_pools, metaserve
     assert b.get(r.locations, r.nodes, addrs, header_room=True).wait(60).failed == (2,)
     with pytest.raises(PoolError, match="outside registered memory"):
         b.get(r.locations[:1], r.nodes, [dest.ctypes.data], header_room=True)  # no room before it
+
+
+def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thread(
+        two_pools, metaserver: MetaserverProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller blocking in wait() spins on the batch's status itself (no thread handoff) when the
+    transfer engine's bound (transfer timeout + 1 ns/byte) ends before the read's deadline; a
+    poller, or a deadline shorter than that bound, goes through the completion thread."""
+    a, b = two_pools
+    hashes = fill(a, 6)
+    handoffs: list[int] = []
+    submit = b._completer.submit
+    monkeypatch.setattr(b._completer, "submit", lambda fn, *args: (handoffs.append(1), submit(fn, *args))[1])
+    dest = np.zeros(6 * BB, dtype=np.uint8)
+    b.register_memory(dest.ctypes.data, dest.nbytes)
+    with MetaClient(metaserver.address) as c:
+        r = c.query_prefix(NS, hashes, "B")
+        addrs = [dest.ctypes.data + i * BB for i in range(6)]
+        b.get(r.locations, r.nodes, addrs).wait(60)        # first contact: its own thread, then the handoff
+        handoffs.clear()
+        dest[:] = 0
+
+        res = b.get(r.locations, r.nodes, addrs).wait(60)   # read_timeout 10 s > 5 s + 384 KiB * 1 ns
+        assert res.ok == tuple(range(6)) and handoffs == []
+        assert all(np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB)) for i, h in enumerate(hashes))
+
+        handle = b.get(r.locations, r.nodes, addrs)
+        assert wait_for(handle.done, timeout_s=30)           # polled: the completion thread
+        assert handle.result is not None and len(handle.result.ok) == 6 and handoffs == [1]
+
+        res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 5 s bound: the thread
+        assert len(res.ok) == 6 and handoffs == [1, 1]
+    assert b.stats.remote_hits == 24 and b.stats.failed_reads == 0
