@@ -63,11 +63,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="on,off", help="pool configurations to run: on, off or both")
     p.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("multi-turn")
-    m.add_argument("--users", type=int, default=9, help="odd with 2 nodes: a user's rounds alternate nodes")
+    m.add_argument("--users", type=int, default=7, help="odd with 2 nodes: a user's rounds alternate nodes")
     m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--groups", type=int, default=3, help="user groups sharing one system prompt")
     m.add_argument("--system-tokens", type=int, default=192)
-    m.add_argument("--context-tokens", type=int, default=0,
+    m.add_argument("--context-tokens", type=int, default=256,
                    help="each user's own context (a document, earlier chat) opening their conversation")
     m.add_argument("--user-tokens", type=int, default=32)
     m.add_argument("--reply-tokens", type=int, default=0,
@@ -83,7 +83,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
     p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight (multi-turn: users at once; default 6 for multi-turn, 4 for a trace)")
+                   help="requests in flight (multi-turn: users at once; default 4)")
     p.add_argument("--output-tokens", type=int, default=None,
                    help="max tokens per request (default: 64 for multi-turn, the model's replies; 8 for a trace)")
     p.add_argument("--kv-cache-bytes", default="96MiB",
@@ -226,7 +226,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     if args.output_tokens is None:
         args.output_tokens = 64 if args.workload == "multi-turn" else 8
     if args.concurrency is None:
-        args.concurrency = 6 if args.workload == "multi-turn" else 4
+        args.concurrency = 4
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed, args.context_tokens)

@@ -5,8 +5,10 @@ It starts etcd, a metaserver and two `kvpool serve --kv-connector mooncake` node
 workload with round-robin routing, then does the same with the connector off (local prefix
 caches only), prints the comparison table, writes the JSON report and two PNG plots into
 --run-dir, and stops every process it started, by PID. A few minutes on 2 CPU cores.
-Each node's own KV cache is sized like a GPU's (96 MiB: the requests in flight and little
-more); with the pool on, each node adds a 2 GiB DRAM pool beside it.
+The workload: 7 users in 3 groups (a shared 192-token system prompt per group), each with a
+256-token context of their own, 5 rounds of 32-token messages and 64-token model replies,
+4 users at a time. Each node's own KV cache is sized like a GPU's (96 MiB: the requests in
+flight and little more); with the pool on, each node adds a 2 GiB DRAM pool beside it.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "cross-node", "--users", "3",
-         "--rounds", "2", "--groups", "1", "--system-tokens", "96", "--user-tokens", "16",
+         "--rounds", "2", "--groups", "1", "--system-tokens", "96", "--context-tokens", "32", "--user-tokens", "16",
          "--output-tokens", "17", "--concurrency", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out),
          "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -38,6 +38,8 @@ def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     for name in ("pool-on", "pool-off"):
         by = {r["rid"]: r for r in report["requests"][name]}
         assert [by[f"u{u}-r1"]["prompt_tokens"] - by[f"u{u}-r0"]["prompt_tokens"] for u in range(3)] == [33] * 3
+        assert {by[f"u{u}-r0"]["prompt_tokens"] for u in range(3)} == {96 + 32 + 16}  # system, own context, turn
+    assert report["context_tokens"] == 32 and report["concurrency"] == 2
     assert report["outputs_equal"] == 6  # greedy: the pulled KV changes no token
     assert "outputs pool-on == pool-off (greedy, token for token): 6 of 6" in proc.stdout
     for p in report["plots"]:
