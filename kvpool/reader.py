@@ -19,7 +19,9 @@ Completion: the binding's only whole-batch status call spins until the batch is 
 caller that blocks in `wait()` spins on it itself, when the transfer engine's own time bound
 for the batch (its transfer timeout plus 1 ns per byte) ends before the caller's deadline:
 no thread handoff, which is most of a small read's time. Otherwise, and for callers that poll
-`done()` (the engine loop, which must go on computing), a completion thread spins on it.
+`done()` (the engine loop, which must go on computing), one completion thread spins on them.
+A long chain from one source goes as up to SPLIT batches, all posted at once and completed
+in order, so the blocks of one are validated (checksummed) while the next is still in flight.
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ if TYPE_CHECKING:
     from kvpool.pool import PoolStats
 
 log = logging.getLogger(__name__)
+
+SPLIT = 4        # batches per source for a long chain (validation overlaps the transfer)
+MIN_BATCH = 4    # blocks per batch at least
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,14 +159,6 @@ class _Batch:
         return sum(HEADER_BYTES + it.nbytes for it in self.items)
 
 
-def _copy_outcome(src: Future[None], dst: Future[None]) -> None:
-    err = src.exception()
-    if err is None:
-        dst.set_result(None)
-    else:
-        dst.set_exception(err)
-
-
 class ReadHandle:
     """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe."""
 
@@ -190,6 +187,11 @@ class ReadHandle:
             self._poll(hand_off=False)  # the first done() or wait() decides who completes
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
+        step = max(MIN_BATCH, -(-len(items) // SPLIT))
+        for i in range(0, len(items), step):
+            self._submit_batch(node, items[i:i + step])
+
+    def _submit_batch(self, node: NodeRecord, items: list[ReadItem]) -> None:
         local, remote, lengths = [], [], []
         if self._header_room:
             idx: list[int] = []
@@ -237,12 +239,22 @@ class ReadHandle:
             return
         batch.posted = True
         if hand_off:
-            self._hand_off(batch)
+            self._hand_off([batch])
 
-    def _hand_off(self, batch: _Batch) -> None:
-        batch.completing = True
-        completion = self._completer.submit(self._te.complete, batch.batch_id)
-        completion.add_done_callback(lambda f: _copy_outcome(f, batch.done))
+    def _hand_off(self, batches: list[_Batch]) -> None:
+        """One completion thread completes `batches` in order."""
+        for b in batches:
+            b.completing = True
+        self._completer.submit(self._complete_in_order, batches)
+
+    def _complete_in_order(self, batches: list[_Batch]) -> None:
+        for b in batches:
+            try:
+                self._te.complete(b.batch_id)
+            except TransferError as err:
+                b.done.set_exception(err)
+            else:
+                b.done.set_result(None)
 
     def _complete_inline(self, end: float | None) -> None:
         """Complete the posted batches no thread completes yet on this (waiting) thread, if the
@@ -257,12 +269,9 @@ class ReadHandle:
             for b in mine:
                 b.completing = True
         for b in mine:
-            try:
-                self._te.complete(b.batch_id)
-            except TransferError as err:
-                b.done.set_exception(err)
-            else:
-                b.done.set_result(None)
+            self._complete_in_order([b])
+            with self._lock:  # validate it while the next batch is still in flight
+                self._poll(hand_off=False)
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         batch.settled = True
@@ -284,11 +293,12 @@ class ReadHandle:
 
     def _poll(self, hand_off: bool = True) -> None:
         expired = time.monotonic() > self._deadline
+        unclaimed = [b for b in self._batches if b.posted and not b.completing and not b.settled]
+        if hand_off and unclaimed:
+            self._hand_off(unclaimed)
         for b in self._batches:
             if b.settled:
                 continue
-            if hand_off and b.posted and not b.completing:
-                self._hand_off(b)
             if b.done.done():
                 err = b.done.exception()
                 if err is not None:

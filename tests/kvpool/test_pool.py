@@ -333,6 +333,7 @@ def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thr
         handle = b.get(r.locations, r.nodes, addrs)
         assert wait_for(handle.done, timeout_s=30)           # polled: the completion thread
         assert handle.result is not None and len(handle.result.ok) == 6 and handoffs == [1]
+        assert [len(x.items) for x in handle._batches] == [4, 2]  # two batches, completed in order by one job
 
         res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 5 s bound: the thread
         assert len(res.ok) == 6 and handoffs == [1, 1]
