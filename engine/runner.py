@@ -37,10 +37,7 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             block_ids = self.kv.block_ids(req.request_id)
-            if n == 1:
-                slot_blocks.append(block_ids[start // bs])
-            else:
-                slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
+            slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
             spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device)))
             if s.samples:
                 logits_idx.append(q0 + n - 1)

@@ -82,8 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-prompt-tokens", type=int, default=2048, help="cut prompts here (the context limit)")
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="requests in flight (multi-turn: users at once; default 4)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
     p.add_argument("--output-tokens", type=int, default=None,
                    help="max tokens per request (default: 64 for multi-turn, the model's replies; 8 for a trace)")
     p.add_argument("--kv-cache-bytes", default="96MiB",
@@ -225,8 +224,6 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int) -> dict:
 def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     if args.output_tokens is None:
         args.output_tokens = 64 if args.workload == "multi-turn" else 8
-    if args.concurrency is None:
-        args.concurrency = 4
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed, args.context_tokens)

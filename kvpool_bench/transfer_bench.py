@@ -34,6 +34,11 @@ from kvpool_bench.transfer_source import block_hash
 from metaserver.client import MetaClient
 from metaserver.launch import EtcdProcess, MetaserverProcess, free_port
 
+# Chains start at this block: slot 0 of a pool (and of the destination) is page-aligned, and
+# the kernel's loopback copy from or to a page-aligned address is up to ~25% slower here
+# (docs/BENCHMARKS.md); one slot in 64 or more is, so block 1 on is the typical case.
+FIRST = 1
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("transfer", help="block read throughput vs raw TE, TCP, memcpy and Mooncake Store")
@@ -106,11 +111,8 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
         if not args.no_store:
             master, master_addr, meta = start_master(tmp)
             store_args = ["--store-master", master_addr, "--store-metadata", meta]
-        # Chains start at block 1: slot 0 of a pool (and of the destination) is page-aligned, and the
-        # kernel's loopback copy from or to a page-aligned address is up to ~25% slower here
-        # (docs/BENCHMARKS.md); one slot in 64 or more is, so block 1 on is the typical case.
         src = subprocess.Popen([sys.executable, "-m", "kvpool_bench.transfer_source", "--metaserver", ms.address,
-                                "--sizes", ",".join(map(str, sizes)), "--blocks", ",".join(str(n + 1) for n in counts),
+                                "--sizes", ",".join(map(str, sizes)), "--blocks", ",".join(str(FIRST + n) for n in counts),
                                 *store_args], stdout=subprocess.PIPE, text=True)
         try:
             assert src.stdout is not None
@@ -121,7 +123,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
             # Page-aligned like the engine's cache (torch's allocator aligns to 64 bytes): the
             # kernel's loopback copy into a destination that is only 16-byte aligned (numpy's
             # default) can take twice as long, which would fall on whichever method reads there.
-            dest_mem = mmap.mmap(-1, max(slot_bytes_for(s) * (n + 1) for s, n in zip(sizes, counts)))
+            dest_mem = mmap.mmap(-1, max(slot_bytes_for(s) * (FIRST + n) for s, n in zip(sizes, counts)))
             dest = np.frombuffer(dest_mem, dtype=np.uint8)
             local_src = np.random.default_rng(1).integers(0, 255, size=dest.nbytes, dtype=np.uint8)
             if info["store"]:
@@ -136,14 +138,15 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
             for size, n in zip(sizes, counts):
                 reader = NodePool(PoolConfig(f"reader-{size}", slot_bytes_for(size), size, f"bench-{size}"))
                 reader.register_memory(dest.ctypes.data, dest.nbytes)
-                hashes = [block_hash(size, i) for i in range(n + 1)]
+                hashes = [block_hash(size, i) for i in range(FIRST + n)]
                 q = client.query_prefix(f"bench-{size}", hashes)
-                assert q.num_matched == n + 1, (q.num_matched, n + 1)
+                assert q.num_matched == FIRST + n, (q.num_matched, FIRST + n)
                 node = q.nodes[q.locations[0].node_id]
                 for chain in [c for c in chains if c <= n]:
                     nbytes = chain * size
-                    dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in range(1, chain + 1)]
-                    locs = q.locations[1:chain + 1]
+                    blocks = range(FIRST, FIRST + chain)
+                    dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in blocks]
+                    locs = q.locations[FIRST:FIRST + chain]
 
                     def ours() -> None:
                         res = reader.get(locs, q.nodes, dests, header_room=not args.split_header).wait(60)
@@ -157,13 +160,12 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
                     def store_get() -> None:
                         assert store is not None
-                        rcs = store.batch_get_into([f"b{size}-{i}" for i in range(1, chain + 1)], dests, [size] * chain)
+                        rcs = store.batch_get_into([f"b{size}-{i}" for i in blocks], dests, [size] * chain)
                         if any(rc != size for rc in rcs):
                             raise RuntimeError(f"Mooncake Store get returned {set(rcs)}")
 
                     cell = {"block_bytes": size, "chain": chain, "bytes": nbytes}
-                    lo = dests[0]  # the same first destination byte for every method
-                    lo -= dest.ctypes.data
+                    lo = dests[0] - dest.ctypes.data  # the same first destination byte for every method
                     fns = {"kvpool_get": ours, "raw_te": raw_te,
                            "tcp": lambda: tcp.read(memoryview(dest)[lo:lo + nbytes]),
                            "memcpy": lambda: np.copyto(dest[lo:lo + nbytes], local_src[:nbytes])}

@@ -96,19 +96,15 @@ class MetaServicer:
         method: Callable[[Any, grpc.ServicerContext, Caller], Message] = getattr(self, name)
 
         def behavior(request: Message | Malformed, context: grpc.ServicerContext) -> Message:
-            caller = _call(context, lambda: auth.authorize(context.invocation_metadata(), name))
+            # No tokens configured: every caller is OPEN (what authorize answers), without
+            # reading the call's metadata.
+            caller = _call(context, lambda: auth.authorize(context.invocation_metadata(), name)) \
+                if auth.enabled else OPEN
             if isinstance(request, Malformed):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return method(request, context, caller)
 
-        def open_behavior(request: Message | Malformed, context: grpc.ServicerContext) -> Message:
-            # No tokens configured: every caller is OPEN (what authorize answers), without
-            # reading the call's metadata.
-            if isinstance(request, Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            return method(request, context, OPEN)
-
-        return grpc.unary_unary_rpc_method_handler(behavior if auth.enabled else open_behavior,
+        return grpc.unary_unary_rpc_method_handler(behavior,
                                                    request_deserializer=_lenient(request_cls),
                                                    response_serializer=response_cls.SerializeToString)
 
