@@ -106,6 +106,10 @@ class Peers:
     def known(self, session: str) -> bool:
         return session in self._known
 
+    def contacting(self, session: str) -> bool:
+        """A first contact with `session` is under way (neither made nor failed yet)."""
+        return session in self._pending
+
     def contact(self, session: str, remote_addr: int) -> Future[None]:
         """Read the HEADER_BYTES at `remote_addr` of `session` (a slot header) into scratch on a
         daemon thread; the future fails with TransferError if the read did."""
