@@ -60,6 +60,12 @@ def view(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
+def header_at(addr: int) -> tuple[int, int, int, int, int, int, bytes]:
+    """The raw fields of the slot header at `addr`: magic, version, flags, generation,
+    payload bytes, checksum, block hash (NUL-padded to 32 bytes)."""
+    return HEADER.unpack(ctypes.string_at(addr, HEADER_BYTES))
+
+
 def checksum(addr: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(view(addr, nbytes))
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, view
+from kvpool.layout import HEADER_BYTES, MAGIC, checksum, header_at
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -66,10 +66,6 @@ class ReadResult:
 class Scratch:
     """Registered memory for slot headers of in-flight reads, handed out in index sets."""
 
-    @staticmethod
-    def at(addr: int) -> SlotHeader:
-        return SlotHeader.unpack(view(addr, HEADER_BYTES).tobytes())
-
     def __init__(self, te: TransferEngine, num_headers: int) -> None:
         self._buf = np.zeros(num_headers * HEADER_BYTES, dtype=np.uint8)
         self.addr = self._buf.ctypes.data
@@ -87,9 +83,6 @@ class Scratch:
     def give(self, idx: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(idx)
-
-    def header(self, i: int) -> SlotHeader:
-        return self.at(self.addr + i * HEADER_BYTES)
 
 
 class Peers:
@@ -290,10 +283,11 @@ class ReadHandle:
         # A failed or timed-out posted batch may still land later: its scratch is not reused.
 
     def _valid(self, it: ReadItem, scratch_index: int | None) -> bool:
-        h = self._scratch.header(scratch_index) if scratch_index is not None else Scratch.at(it.dest_addr - HEADER_BYTES)
+        addr = it.dest_addr - HEADER_BYTES if scratch_index is None else self._scratch.addr + scratch_index * HEADER_BYTES
+        magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(addr)
         loc = it.location
-        return (h.magic == MAGIC and h.block_hash == loc.block_hash and h.generation == loc.generation
-                and h.payload_bytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == h.checksum)
+        return (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation
+                and nbytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == digest)
 
     def _poll(self, hand_off: bool = True) -> None:
         expired = time.monotonic() > self._deadline
@@ -312,11 +306,14 @@ class ReadHandle:
                 log.warning("read of %d blocks from %s timed out", len(b.items), b.session)
                 self._settle(b, False)
         if all(b.settled for b in self._batches) and self.result is None:
+            stats, ok = self._stats, self._ok
             for b in self._batches:
-                good = sum(1 for it in b.items if it.index in self._ok)
-                self._stats.remote_hits += good
-                self._stats.failed_reads += len(b.items) - good
-                self._stats.bytes_read += sum(it.nbytes for it in b.items if it.index in self._ok)
+                for it in b.items:
+                    if it.index in ok:
+                        stats.remote_hits += 1
+                        stats.bytes_read += it.nbytes
+                    else:
+                        stats.failed_reads += 1
             self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:
