@@ -121,7 +121,9 @@ class Sampler:
         return {"t_s": round(time.perf_counter() - self._t0, 1),
                 "node_rss": [rss_bytes(n.pid) for n in c.nodes], "metaserver_rss": rss_bytes(c.metaserver.pid),
                 "etcd_rss": rss_bytes(c.etcd.proc.pid if c.etcd.proc else None), "pool_blocks": [s.get("pool_blocks", 0) for s in stats],
-                "in_flight": [s.get("http_in_flight", 0) for s in stats], "index_blocks": index_blocks}
+                "in_flight": [s.get("http_in_flight", 0) for s in stats], "index_blocks": index_blocks,
+                "node_malloc_in_use": [s.get("malloc_in_use_bytes", 0) for s in stats],
+                "node_malloc_free": [s.get("malloc_free_bytes", 0) for s in stats]}
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -197,6 +199,10 @@ def summarize(results: list[Result], wall_s: float, rate: float, sustainable: fl
             "e2e_p99_s": pct([r.e2e_s for r in ok], 99),
             "node_rss_start": max(first["node_rss"]), "node_rss_mid": max(half["node_rss"]),
             "node_rss_end": max(last["node_rss"]), "peak": peak, "pool_slots": pool_slots,
+            # glibc's accounting in the node with the largest RSS at each point: bytes in use
+            # (a leak grows these) and freed bytes kept in its arenas (fragmentation)
+            **{f"node_malloc_{kind}_{when}": max(smp[f"node_malloc_{kind}"], default=0)
+               for kind in ("in_use", "free") for when, smp in (("start", first), ("mid", half), ("end", last))},
             "index_check": check,
             "index_matches_holdings": all(c["pool_blocks"] == c["index_blocks"] for c in check)}
 
@@ -214,6 +220,10 @@ def print_summary(s: dict) -> None:
         ("TTFT p50 / p99 (s), answered", f"{s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f}"),
         ("node RSS start / mid / end (MiB)", f"{s['node_rss_start'] / mib:.0f} / {s['node_rss_mid'] / mib:.0f} / "
                                              f"{s['node_rss_end'] / mib:.0f}"),
+        ("node malloc in use start / mid / end (MiB)", " / ".join(
+            f"{s[f'node_malloc_in_use_{w}'] / mib:.0f}" for w in ("start", "mid", "end"))),
+        ("node malloc free in arenas s / m / e (MiB)", " / ".join(
+            f"{s[f'node_malloc_free_{w}'] / mib:.0f}" for w in ("start", "mid", "end"))),
         ("metaserver / etcd RSS peak (MiB)", f"{s['peak']['metaserver_rss'] / mib:.0f} / {s['peak']['etcd_rss'] / mib:.0f}"),
         ("pool blocks peak / slots per node", f"{s['peak']['pool_blocks']} / {s['pool_slots']}"),
         ("index blocks peak", f"{s['peak']['index_blocks']}"),
@@ -224,7 +234,7 @@ def print_summary(s: dict) -> None:
     ]
     print()
     for label, value in rows:
-        print(f"{label:<36}{value:>40}")
+        print(f"{label:<44}{value:>32}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from engine.llm_engine import EngineError, LLMEngine
 from engine.server.async_engine import AsyncEngine
+from engine.server.memory import memory_stats
 from engine.server.metrics import Metrics
 from engine.server.protocol import BadRequest, ParsedRequest, completion_body, error_body, logprobs_body, parse, usage
 
@@ -145,16 +146,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic), and the
-    server's admission counters."""
+    """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic), the
+    server's admission counters and the process's memory (`engine.server.memory`)."""
     aeng = request.app[ENGINE]
     return web.json_response({**aeng.engine.stats(), "http_in_flight": aeng.in_flight,
-                              "http_rejected_overloaded": aeng.rejected})
+                              "http_rejected_overloaded": aeng.rejected, **memory_stats()})
 
 
 async def metrics(request: web.Request) -> web.Response:
     aeng = request.app[ENGINE]
-    return web.Response(text=aeng.metrics.render(aeng.engine.stats()), content_type="text/plain")
+    process = "".join(f"# TYPE kvpool:process_{k} gauge\nkvpool:process_{k} {v}\n" for k, v in memory_stats().items())
+    return web.Response(text=aeng.metrics.render(aeng.engine.stats()) + process, content_type="text/plain")
 
 
 @web.middleware

@@ -29,3 +29,6 @@ def test_short_soak_answers_or_sheds_and_the_index_matches(tmp_path: Path) -> No
     assert s["index_matches_holdings"], s["index_check"]
     assert sum(c["pool_blocks"] for c in s["index_check"]) > 0
     assert "503 overloaded" in proc.stdout
+    # memory as the nodes report it: glibc's bytes in use (a leak) apart from free arena bytes
+    assert s["node_malloc_in_use_start"] > 100 << 20 and s["node_malloc_in_use_end"] > 100 << 20, s
+    assert "node malloc in use start / mid / end (MiB)" in proc.stdout

@@ -163,8 +163,11 @@ def test_metrics(server: str) -> None:
     assert isinstance(text, str)
     for name in ("kvpool:time_to_first_token_seconds_count", "kvpool:time_per_output_token_seconds_bucket",
                  "kvpool:num_requests_running", "kvpool:num_requests_waiting", "kvpool:kv_cache_usage_perc",
-                 "kvpool:prefix_cache_hit_rate"):
+                 "kvpool:prefix_cache_hit_rate", "kvpool:process_rss_bytes", "kvpool:process_malloc_in_use_bytes",
+                 "kvpool:process_malloc_free_bytes"):
         assert name in text, name
+    stats = call(server, "/stats")[1]
+    assert stats["rss_bytes"] > 100 << 20 and stats["malloc_in_use_bytes"] > 0  # the model alone is > 100 MiB
     ttft_count = next(line for line in text.splitlines() if line.startswith("kvpool:time_to_first_token_seconds_count"))
     assert int(ttft_count.split()[-1]) >= 1
 
