@@ -16,7 +16,9 @@ def test_in_use_follows_allocations_and_trim_returns_freed_memory() -> None:
     del blocks
     freed = memory_stats()
     assert held["malloc_in_use_bytes"] - freed["malloc_in_use_bytes"] >= 60 * MIB
-    assert freed["malloc_free_bytes"] - before["malloc_free_bytes"] >= 60 * MIB  # kept in the arena
+    # kept in the arena (measured from `held`: in a long-running process the blocks may have
+    # come out of free arena space in the first place, so `before` can be just as high)
+    assert freed["malloc_free_bytes"] - held["malloc_free_bytes"] >= 60 * MIB
     trim()
     assert memory_stats()["rss_bytes"] <= freed["rss_bytes"] - 50 * MIB  # handed back to the kernel
     del pin
