@@ -80,6 +80,9 @@ class Scratch:
             taken, self._free = self._free[:n], self._free[n:]
             return taken
 
+    def slot_addr(self, i: int) -> int:
+        return self.addr + i * HEADER_BYTES
+
     def give(self, idx: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(idx)
@@ -125,7 +128,7 @@ class Peers:
             err = TransferError("read scratch exhausted")
         else:
             try:
-                self._te.read_sync(session, [self._scratch.addr + taken[0] * HEADER_BYTES], [remote_addr],
+                self._te.read_sync(session, [self._scratch.slot_addr(taken[0])], [remote_addr],
                                    [HEADER_BYTES])
                 self._scratch.give(taken)  # a failed read may still land: its scratch is not reused
             except TransferError as e:
@@ -205,7 +208,7 @@ class ReadHandle:
             idx = taken
             for it, s in zip(items, idx):
                 slot_addr = node.buffer_address + it.location.offset
-                local += [self._scratch.addr + s * HEADER_BYTES, it.dest_addr]
+                local += [self._scratch.slot_addr(s), it.dest_addr]
                 remote += [slot_addr, slot_addr + HEADER_BYTES]
                 lengths += [HEADER_BYTES, it.nbytes]
         batch = _Batch(node.session_address, items, idx)
@@ -283,7 +286,7 @@ class ReadHandle:
         # A failed or timed-out posted batch may still land later: its scratch is not reused.
 
     def _valid(self, it: ReadItem, scratch_index: int | None) -> bool:
-        addr = it.dest_addr - HEADER_BYTES if scratch_index is None else self._scratch.addr + scratch_index * HEADER_BYTES
+        addr = it.dest_addr - HEADER_BYTES if scratch_index is None else self._scratch.slot_addr(scratch_index)
         magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(addr)
         loc = it.location
         return (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation

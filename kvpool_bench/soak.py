@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.server import memory
 from kvpool_bench.cross_node import Result, stream_completion
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import BenchRequest, multi_turn
@@ -57,16 +58,13 @@ def endless_chats(output_tokens: int, seed: int):  # noqa: ANN201
 
 
 def rss_bytes(pid: int | None) -> int:
+    """RSS of a process this bench started; 0 when it has none or is gone."""
     if pid is None:
         return 0
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+        return memory.rss_bytes(pid)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def classify(r: Result) -> str:
@@ -199,8 +197,8 @@ def summarize(results: list[Result], wall_s: float, rate: float, sustainable: fl
             "e2e_p99_s": pct([r.e2e_s for r in ok], 99),
             "node_rss_start": max(first["node_rss"]), "node_rss_mid": max(half["node_rss"]),
             "node_rss_end": max(last["node_rss"]), "peak": peak, "pool_slots": pool_slots,
-            # glibc's accounting in the node with the largest RSS at each point: bytes in use
-            # (a leak grows these) and freed bytes kept in its arenas (fragmentation)
+            # glibc's accounting, the larger of the nodes' figures at each point (as for RSS):
+            # bytes in use (a leak grows these) and freed bytes kept in arenas (fragmentation)
             **{f"node_malloc_{kind}_{when}": max(smp[f"node_malloc_{kind}"], default=0)
                for kind in ("in_use", "free") for when, smp in (("start", first), ("mid", half), ("end", last))},
             "index_check": check,

@@ -155,8 +155,7 @@ async def stats(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     aeng = request.app[ENGINE]
-    process = "".join(f"# TYPE kvpool:process_{k} gauge\nkvpool:process_{k} {v}\n" for k, v in memory_stats().items())
-    return web.Response(text=aeng.metrics.render(aeng.engine.stats()) + process, content_type="text/plain")
+    return web.Response(text=aeng.metrics.render(aeng.engine.stats(), memory_stats()), content_type="text/plain")
 
 
 @web.middleware

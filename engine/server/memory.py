@@ -33,8 +33,9 @@ _LIBC = _libc()
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of this process, or of process `pid` (OSError if it is gone)."""
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * _PAGE
 
 

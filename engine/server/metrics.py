@@ -74,8 +74,9 @@ class Metrics:
             self.gauges["kv_cache_usage_perc"] = engine.block_pool.usage()
             self.gauges["prefix_cache_hit_rate"] = engine.prefix_cache_hit_rate()
 
-    def render(self, engine_stats: dict[str, float]) -> str:
-        """The exposition text; `engine_stats` are the engine's counters (`LLMEngine.stats()`)."""
+    def render(self, engine_stats: dict[str, float], process_stats: dict[str, int] | None = None) -> str:
+        """The exposition text; `engine_stats` are the engine's counters (`LLMEngine.stats()`),
+        `process_stats` the process's memory (`engine.server.memory.memory_stats()`)."""
         p = "kvpool:"
         lines: list[str] = []
         with self._lock:
@@ -83,8 +84,9 @@ class Metrics:
                 lines += [f"# TYPE {p}{k} gauge", f'{p}{k}{{model_name="{self.model}"}} {v}']
             for k, v in self.counters.items():
                 lines += [f"# TYPE {p}{k}_total counter", f'{p}{k}_total{{model_name="{self.model}"}} {v}']
-            for k, v in engine_stats.items():
-                lines += [f"# TYPE {p}engine_{k} gauge", f'{p}engine_{k}{{model_name="{self.model}"}} {v}']
+            for prefix, values in (("engine_", engine_stats), ("process_", process_stats or {})):
+                for k, v in values.items():
+                    lines += [f"# TYPE {p}{prefix}{k} gauge", f'{p}{prefix}{k}{{model_name="{self.model}"}} {v}']
             lines += self.ttft.render(f"{p}time_to_first_token_seconds", "Time to first token")
             lines += self.tpot.render(f"{p}time_per_output_token_seconds", "Time per output token after the first")
             lines += self.e2e.render(f"{p}e2e_request_latency_seconds", "Arrival to last token")
