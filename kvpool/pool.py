@@ -250,17 +250,23 @@ class NodePool:
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
         pre = HEADER_BYTES if header_room else 0
+        if dest_addrs and not self.te.is_registered(min(dest_addrs) - pre, max(dest_addrs) - min(dest_addrs) + pre + n):
+            for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
+                if not self.te.is_registered(dst - pre, n + pre):
+                    raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
+        me, slot_bytes = self.config.node_id, HEADER_BYTES + n
+        local: list[ReadItem] = []
+        remote: list[ReadItem] = []
         for i, (loc, dst) in enumerate(zip(locations, dest_addrs)):
-            if not self.te.is_registered(dst - pre, n + pre):
-                raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
-            if loc.node_id != self.config.node_id and loc.node_id not in nodes:
+            if loc.node_id == me:
+                local.append(ReadItem(i, loc, dst, n))
+            elif loc.node_id in nodes:
+                remote.append(ReadItem(i, loc, dst, n))
+            else:
                 raise PoolError(f"block #{i} is on unknown node {loc.node_id!r}")
-            if loc.size_bytes != HEADER_BYTES + n:
-                raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {HEADER_BYTES + n}")
-        items = [ReadItem(i, loc, dst, n) for i, (loc, dst) in enumerate(zip(locations, dest_addrs))]
-        local = [it for it in items if it.location.node_id == self.config.node_id]
-        remote = [it for it in items if it.location.node_id != self.config.node_id]
-        local_ok = self._read_local(local)
+            if loc.size_bytes != slot_bytes:
+                raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
+        local_ok = self._read_local(local) if local else set()
         return ReadHandle(self.te, self._completer, self._scratch, self._peers, remote, nodes, local_ok,
                           [it.index for it in local if it.index not in local_ok], self.config.read_timeout_s,
                           self.stats, header_room)

@@ -30,8 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,7 +48,7 @@ SPLIT = 4        # batches per source for a long chain (validation overlaps the 
 MIN_BATCH = 4    # blocks per batch at least
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadItem:
     index: int               # position in the caller's request
     location: BlockLocation  # where the block is and which generation was promised
@@ -143,20 +142,18 @@ class Peers:
             fut.set_exception(err)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Batch:
     session: str
     items: list[ReadItem]
     scratch: list[int]
-    done: Future[None] = field(default_factory=Future)  # set by whoever completes the batch
-    posted: bool = False   # the read into the destinations was submitted (it may still land)
-    batch_id: int = 0      # the transfer engine's, once posted
+    posted: bool = False      # the read into the destinations was submitted (it may still land)
+    batch_id: int = 0         # the transfer engine's, once posted
     completing: bool = False  # a thread (the completer or a waiting caller) completes it
-    settled: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(HEADER_BYTES + it.nbytes for it in self.items)
+    finished: bool = False    # the transfer engine answered (or the post or first contact failed)
+    error: Exception | None = None  # why it failed, when it did
+    settled: bool = False     # its blocks were validated and counted as ok or failed
+    nbytes: int = 0           # bytes the batch moves
 
 
 class ReadHandle:
@@ -174,6 +171,7 @@ class ReadHandle:
         self._deadline = time.monotonic() + timeout_s
         # Reentrant: a handshake that is already done posts its batch inline, under the lock.
         self._lock = threading.RLock()
+        self._finished: threading.Condition | None = None  # made by a caller that must block in wait()
         self._ok = set(local_ok)
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
@@ -184,7 +182,8 @@ class ReadHandle:
         with self._lock:
             for node_id, items in by_node.items():
                 self._submit(nodes[node_id], items)
-            self._poll(hand_off=False)  # the first done() or wait() decides who completes
+            if not self._batches:
+                self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
         step = max(MIN_BATCH, -(-len(items) // SPLIT))
@@ -192,13 +191,12 @@ class ReadHandle:
             self._submit_batch(node, items[i:i + step])
 
     def _submit_batch(self, node: NodeRecord, items: list[ReadItem]) -> None:
-        local, remote, lengths = [], [], []
+        base = node.buffer_address
         if self._header_room:
             idx: list[int] = []
-            for it in items:
-                local.append(it.dest_addr - HEADER_BYTES)
-                remote.append(node.buffer_address + it.location.offset)
-                lengths.append(HEADER_BYTES + it.nbytes)
+            local = [it.dest_addr - HEADER_BYTES for it in items]
+            remote = [base + it.location.offset for it in items]
+            lengths = [HEADER_BYTES + it.nbytes for it in items]
         else:
             taken = self._scratch.take(len(items))
             if taken is None:
@@ -206,12 +204,13 @@ class ReadHandle:
                 self._failed.update(it.index for it in items)
                 return
             idx = taken
+            local, remote, lengths = [], [], []
             for it, s in zip(items, idx):
-                slot_addr = node.buffer_address + it.location.offset
+                slot_addr = base + it.location.offset
                 local += [self._scratch.slot_addr(s), it.dest_addr]
                 remote += [slot_addr, slot_addr + HEADER_BYTES]
                 lengths += [HEADER_BYTES, it.nbytes]
-        batch = _Batch(node.session_address, items, idx)
+        batch = _Batch(node.session_address, items, idx, nbytes=sum(lengths))
         self._batches.append(batch)
         if self._peers.known(node.session_address):
             self._post(batch, local, remote, lengths, hand_off=False)
@@ -226,7 +225,7 @@ class ReadHandle:
                 return
             err = contact.exception()
             if err is not None:
-                batch.done.set_exception(err)
+                self._finish(batch, err)
             else:
                 self._post(batch, local, remote, lengths)
 
@@ -235,11 +234,18 @@ class ReadHandle:
         try:
             batch.batch_id = self._te.submit_read(batch.session, local, remote, lengths)
         except TransferError as err:
-            batch.done.set_exception(err)
+            self._finish(batch, err)
             return
         batch.posted = True
         if hand_off:
             self._hand_off([batch])
+
+    def _finish(self, batch: _Batch, err: Exception | None) -> None:
+        with self._lock:
+            batch.error = err
+            batch.finished = True
+            if self._finished is not None:
+                self._finished.notify_all()
 
     def _hand_off(self, batches: list[_Batch]) -> None:
         """One completion thread completes `batches` in order."""
@@ -249,12 +255,14 @@ class ReadHandle:
 
     def _complete_in_order(self, batches: list[_Batch]) -> None:
         for b in batches:
-            try:
-                self._te.complete(b.batch_id)
-            except TransferError as err:
-                b.done.set_exception(err)
-            else:
-                b.done.set_result(None)
+            self._finish(b, self._complete(b))
+
+    def _complete(self, batch: _Batch) -> TransferError | None:
+        try:
+            self._te.complete(batch.batch_id)
+        except TransferError as err:
+            return err
+        return None
 
     def _complete_inline(self, end: float | None) -> None:
         """Complete the posted batches no thread completes yet on this (waiting) thread, if the
@@ -269,46 +277,58 @@ class ReadHandle:
             for b in mine:
                 b.completing = True
         for b in mine:
-            self._complete_in_order([b])
+            err = self._complete(b)
             with self._lock:  # validate it while the next batch is still in flight
+                b.error = err
+                b.finished = True
                 self._poll(hand_off=False)
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         batch.settled = True
-        scratch: list[int | None] = list(batch.scratch) if batch.scratch else [None] * len(batch.items)
-        for it, s in zip(batch.items, scratch):
-            if ok and self._valid(it, s):
-                self._ok.add(it.index)
-            else:
-                self._failed.add(it.index)
-        if ok or not batch.posted:
+        if batch.scratch:
+            for it, s in zip(batch.items, batch.scratch):
+                (self._ok if ok and self._valid(it, self._scratch.slot_addr(s)) else self._failed).add(it.index)
+        else:
+            for it in batch.items:
+                (self._ok if ok and self._valid(it, it.dest_addr - HEADER_BYTES) else self._failed).add(it.index)
+        if batch.scratch and (ok or not batch.posted):
             self._scratch.give(batch.scratch)
         # A failed or timed-out posted batch may still land later: its scratch is not reused.
 
-    def _valid(self, it: ReadItem, scratch_index: int | None) -> bool:
-        addr = it.dest_addr - HEADER_BYTES if scratch_index is None else self._scratch.slot_addr(scratch_index)
-        magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(addr)
+    @staticmethod
+    def _valid(it: ReadItem, header_addr: int) -> bool:
+        magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(header_addr)
         loc = it.location
         return (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation
                 and nbytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == digest)
 
     def _poll(self, hand_off: bool = True) -> None:
-        expired = time.monotonic() > self._deadline
-        unclaimed = [b for b in self._batches if b.posted and not b.completing and not b.settled]
-        if hand_off and unclaimed:
-            self._hand_off(unclaimed)
+        """Settle the batches that finished (or all that did not, past the deadline); hand the
+        posted ones nobody completes yet to the completion thread; set the result when all
+        are settled. Called with the lock held."""
+        expired = None
+        unsettled = 0
+        unclaimed = []
         for b in self._batches:
             if b.settled:
                 continue
-            if b.done.done():
-                err = b.done.exception()
-                if err is not None:
-                    log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, err)
-                self._settle(b, err is None)
-            elif expired:
+            if b.finished:
+                if b.error is not None:
+                    log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, b.error)
+                self._settle(b, b.error is None)
+                continue
+            if expired is None:
+                expired = time.monotonic() > self._deadline
+            if expired:
                 log.warning("read of %d blocks from %s timed out", len(b.items), b.session)
                 self._settle(b, False)
-        if all(b.settled for b in self._batches) and self.result is None:
+                continue
+            unsettled += 1
+            if b.posted and not b.completing:
+                unclaimed.append(b)
+        if hand_off and unclaimed:
+            self._hand_off(unclaimed)
+        if not unsettled and self.result is None:
             stats, ok = self._stats, self._ok
             for b in self._batches:
                 for it in b.items:
@@ -317,7 +337,7 @@ class ReadHandle:
                         stats.bytes_read += it.nbytes
                     else:
                         stats.failed_reads += 1
-            self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
+            self.result = ReadResult(tuple(sorted(ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:
         with self._lock:
@@ -329,13 +349,18 @@ class ReadHandle:
         """Block until every block is delivered or failed (TimeoutError after `timeout_s`)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         self._complete_inline(end)
-        while not self.done():
-            pending = [b.done for b in self._batches if not b.settled]
-            limit = self._deadline - time.monotonic()
-            if end is not None:
-                if time.monotonic() > end:
-                    raise TimeoutError("read not finished")
-                limit = min(limit, end - time.monotonic())
-            futures_wait(pending, timeout=max(limit, 0.0) + 1e-3)
-        assert self.result is not None
-        return self.result
+        with self._lock:
+            while self.result is None:
+                self._poll()
+                if self.result is not None:
+                    break
+                now = time.monotonic()
+                limit = self._deadline - now
+                if end is not None:
+                    if now > end:
+                        raise TimeoutError("read not finished")
+                    limit = min(limit, end - now)
+                if self._finished is None:
+                    self._finished = threading.Condition(self._lock)
+                self._finished.wait(max(limit, 0.0) + 1e-3)
+            return self.result
