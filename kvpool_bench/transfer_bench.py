@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--no-store", action="store_true", help="skip Mooncake Store")
     p.add_argument("--split-header", action="store_true",
                    help="read slot headers as separate ranges (destinations without header room)")
+    p.add_argument("--phases", action="store_true",
+                   help="for one-block chains, also time the phases of a get (before the submit, the submit, "
+                        "the transfer, validation and after) beside a raw submit + complete of the same range")
     p.add_argument("--out", default="runs/bench-transfer.json")
 
 
@@ -174,8 +177,13 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     for name, secs in timed_interleaved(fns, args.repeat).items():
                         cell[f"{name}_s"] = secs
                         cell[f"{name}_GBps"] = nbytes / secs / 1e9
+                    if args.phases and chain == 1:
+                        cell["phases_us"] = phases(reader, node.session_address, ours, dests[0],
+                                                   node.buffer_address + locs[0].offset, size, 20 * args.repeat)
                     rows.append(cell)
                     print_row(cell, header=len(rows) == 1)
+                    if "phases_us" in cell:
+                        print_phases(cell["phases_us"])
                 reader.close()
             if store is not None:
                 store.close()
@@ -187,6 +195,62 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 master.terminate()
                 master.wait(30)
     return rows
+
+
+def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, slot_addr: int, size: int,
+           rounds: int) -> dict[str, dict[str, float]]:
+    """Median microseconds of each phase of a one-block `kvpool get` and of a raw submit +
+    complete of the same header-inclusive range, interleaved round by round: `pre` from the
+    call to the transfer engine's submit, `submit` the submit call, `between` from its return
+    to the completion call, `transfer` the completion call (the engine spins until the data
+    is in), `post` from there to the result (`checksum` is the xxh3 part of it)."""
+    import kvpool.reader as reader_mod
+
+    te, marks, sums = reader.te, {}, []
+    submit, complete, digest = te.submit_read, te.complete, reader_mod.checksum
+
+    def timed_submit(*a: object) -> int:
+        marks["s0"] = time.perf_counter()
+        bid = submit(*a)  # type: ignore[arg-type]
+        marks["s1"] = time.perf_counter()
+        return bid
+
+    def timed_complete(bid: int) -> None:
+        marks["c0"] = time.perf_counter()
+        complete(bid)
+        marks["c1"] = time.perf_counter()
+
+    def timed_checksum(addr: int, n: int) -> int:
+        t0 = time.perf_counter()
+        v = digest(addr, n)
+        sums.append(time.perf_counter() - t0)
+        return v
+
+    def raw() -> None:
+        te.complete(te.submit_read(session, [dest - HEADER_BYTES], [slot_addr], [HEADER_BYTES + size]))
+
+    runs: dict[str, dict[str, list[float]]] = {"kvpool_get": {}, "raw_te_async": {}}
+    te.submit_read, te.complete, reader_mod.checksum = timed_submit, timed_complete, timed_checksum  # type: ignore[method-assign]
+    try:
+        for _ in range(rounds):
+            for name, fn in (("kvpool_get", get), ("raw_te_async", raw)):
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                for k, v in (("pre", marks["s0"] - t0), ("submit", marks["s1"] - marks["s0"]),
+                             ("between", marks["c0"] - marks["s1"]), ("transfer", marks["c1"] - marks["c0"]),
+                             ("post", t1 - marks["c1"]), ("total", t1 - t0)):
+                    runs[name].setdefault(k, []).append(v)
+    finally:
+        te.submit_read, te.complete, reader_mod.checksum = submit, complete, digest  # type: ignore[method-assign]
+    out = {name: {k: statistics.median(v) * 1e6 for k, v in r.items()} for name, r in runs.items()}
+    out["kvpool_get"]["checksum"] = statistics.median(sums) * 1e6
+    return out
+
+
+def print_phases(p: dict[str, dict[str, float]]) -> None:
+    for name in ("kvpool_get", "raw_te_async"):
+        print(f"{'':>22}   {name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in p[name].items()) + " us", flush=True)
 
 
 COLS = ("kvpool_get", "raw_te", "tcp", "memcpy", "mooncake_store")

@@ -1,5 +1,6 @@
 """`kvpool bench transfer` at toy size: every method of a cell is measured on the same bytes
-(ours, raw TE, TCP, memcpy, Mooncake Store) and the report is complete."""
+(ours, raw TE, TCP, memcpy, Mooncake Store), the report is complete, and --phases splits a
+one-block get into its phases beside a raw read of the same range."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> None:
     out = tmp_path / "transfer.json"
     r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "transfer", "--sizes",
-                        "64KiB,256KiB", "--chains", "1,4", "--max-bytes", "1MiB", "--repeat", "2", "--out",
+                        "64KiB,256KiB", "--chains", "1,4", "--max-bytes", "1MiB", "--repeat", "2", "--phases", "--out",
                         str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -24,3 +25,12 @@ def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> No
         assert c["bytes"] == c["block_bytes"] * c["chain"]
         for name in ("kvpool_get", "raw_te", "tcp", "memcpy", "mooncake_store"):
             assert c[f"{name}_s"] > 0 and c[f"{name}_GBps"] > 0, (name, c)
+        if c["chain"] == 1:  # --phases: where a one-block get's time goes, beside a raw read
+            p = c["phases_us"]
+            assert set(p["kvpool_get"]) == {"pre", "submit", "between", "transfer", "post", "total", "checksum"}
+            assert set(p["raw_te_async"]) == {"pre", "submit", "between", "transfer", "post", "total"}
+            for name in ("kvpool_get", "raw_te_async"):
+                assert all(v >= 0 for v in p[name].values()) and p[name]["total"] >= p[name]["transfer"] > 0
+            assert 0 < p["kvpool_get"]["checksum"] <= p["kvpool_get"]["post"]
+        else:
+            assert "phases_us" not in c
