@@ -284,23 +284,29 @@ class ReadHandle:
                 self._poll(hand_off=False)
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
+        """Validate a finished batch's blocks (or fail them all) and count them."""
         batch.settled = True
-        if batch.scratch:
-            for it, s in zip(batch.items, batch.scratch):
-                (self._ok if ok and self._valid(it, self._scratch.slot_addr(s)) else self._failed).add(it.index)
+        good, bad, stats = self._ok, self._failed, self._stats
+        if not ok:
+            bad.update(it.index for it in batch.items)
+            stats.failed_reads += len(batch.items)
         else:
-            for it in batch.items:
-                (self._ok if ok and self._valid(it, it.dest_addr - HEADER_BYTES) else self._failed).add(it.index)
+            headers = ([self._scratch.slot_addr(s) for s in batch.scratch] if batch.scratch
+                       else [it.dest_addr - HEADER_BYTES for it in batch.items])
+            for it, header in zip(batch.items, headers):
+                magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(header)
+                loc = it.location
+                if (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation
+                        and nbytes == it.nbytes and checksum(it.dest_addr, nbytes) == digest):
+                    good.add(it.index)
+                    stats.remote_hits += 1
+                    stats.bytes_read += nbytes
+                else:
+                    bad.add(it.index)
+                    stats.failed_reads += 1
         if batch.scratch and (ok or not batch.posted):
             self._scratch.give(batch.scratch)
         # A failed or timed-out posted batch may still land later: its scratch is not reused.
-
-    @staticmethod
-    def _valid(it: ReadItem, header_addr: int) -> bool:
-        magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(header_addr)
-        loc = it.location
-        return (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation
-                and nbytes == it.nbytes and checksum(it.dest_addr, it.nbytes) == digest)
 
     def _poll(self, hand_off: bool = True) -> None:
         """Settle the batches that finished (or all that did not, past the deadline); hand the
@@ -329,15 +335,7 @@ class ReadHandle:
         if hand_off and unclaimed:
             self._hand_off(unclaimed)
         if not unsettled and self.result is None:
-            stats, ok = self._stats, self._ok
-            for b in self._batches:
-                for it in b.items:
-                    if it.index in ok:
-                        stats.remote_hits += 1
-                        stats.bytes_read += it.nbytes
-                    else:
-                        stats.failed_reads += 1
-            self.result = ReadResult(tuple(sorted(ok)), tuple(sorted(self._failed)))
+            self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:
         with self._lock:
@@ -349,6 +347,8 @@ class ReadHandle:
         """Block until every block is delivered or failed (TimeoutError after `timeout_s`)."""
         end = None if timeout_s is None else time.monotonic() + timeout_s
         self._complete_inline(end)
+        if self.result is not None:  # set once, never changed
+            return self.result
         with self._lock:
             while self.result is None:
                 self._poll()

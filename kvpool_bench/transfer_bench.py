@@ -46,7 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--chains", default="1,16,64,256")
     p.add_argument("--max-bytes", default="256MiB", help="largest chain in bytes")
     p.add_argument("--repeat", type=int, default=7,
-                   help="timed rounds per cell; each round times every method once, in turn (median reported)")
+                   help="timed rounds per cell at least; each round times every method once, in turn (median reported)")
+    p.add_argument("--min-seconds", type=float, default=1.0,
+                   help="more rounds for quick cells until the rounds take about this long (a 0.3 ms read "
+                        "timed 7 times is at the mercy of one scheduler hiccup)")
     p.add_argument("--no-store", action="store_true", help="skip Mooncake Store")
     p.add_argument("--split-header", action="store_true",
                    help="read slot headers as separate ranges (destinations without header room)")
@@ -56,12 +59,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default="runs/bench-transfer.json")
 
 
-def timed_interleaved(fns: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+def timed_interleaved(fns: dict[str, Callable[[], None]], repeat: int, min_seconds: float = 0.0) -> dict[str, float]:
     """Median seconds per method. Methods are interleaved (round r times each once, in turn),
     so that drift in this shared machine's speed lands on all of them alike; one warm-up
-    call each first (connections, page faults)."""
+    call each first (connections, page faults). At least `repeat` rounds, more (up to
+    20,000) if that many take less than `min_seconds` by the warm-up calls' times."""
+    t0 = time.perf_counter()
     for fn in fns.values():
         fn()
+    round_s = time.perf_counter() - t0
+    repeat = max(repeat, min(20_000, int(min_seconds / max(round_s, 1e-6))))
     runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                            "memcpy": lambda: np.copyto(dest[lo:lo + nbytes], local_src[:nbytes])}
                     if store is not None:
                         fns["mooncake_store"] = store_get
-                    for name, secs in timed_interleaved(fns, args.repeat).items():
+                    for name, secs in timed_interleaved(fns, args.repeat, args.min_seconds).items():
                         cell[f"{name}_s"] = secs
                         cell[f"{name}_GBps"] = nbytes / secs / 1e9
                     if args.phases and chain == 1:
