@@ -250,7 +250,8 @@ class NodePool:
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
         pre = HEADER_BYTES if header_room else 0
-        if dest_addrs and not self.te.is_registered(min(dest_addrs) - pre, max(dest_addrs) - min(dest_addrs) + pre + n):
+        lo, hi = (min(dest_addrs), max(dest_addrs)) if dest_addrs else (0, 0)
+        if dest_addrs and not self.te.is_registered(lo - pre, hi - lo + pre + n):
             for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
                 if not self.te.is_registered(dst - pre, n + pre):
                     raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")

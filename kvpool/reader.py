@@ -176,16 +176,22 @@ class ReadHandle:
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
         self.result: ReadResult | None = None
-        by_node: dict[NodeId, list[ReadItem]] = {}
-        for it in remote:
-            by_node.setdefault(it.location.node_id, []).append(it)
         with self._lock:
-            for node_id, items in by_node.items():
-                self._submit(nodes[node_id], items)
+            if remote and all(it.location.node_id == remote[0].location.node_id for it in remote):
+                self._submit(nodes[remote[0].location.node_id], remote)  # one source, the usual case
+            else:
+                by_node: dict[NodeId, list[ReadItem]] = {}
+                for it in remote:
+                    by_node.setdefault(it.location.node_id, []).append(it)
+                for node_id, items in by_node.items():
+                    self._submit(nodes[node_id], items)
             if not self._batches:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
     def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
+        if len(items) <= MIN_BATCH:
+            self._submit_batch(node, items)
+            return
         step = max(MIN_BATCH, -(-len(items) // SPLIT))
         for i in range(0, len(items), step):
             self._submit_batch(node, items[i:i + step])
@@ -281,7 +287,9 @@ class ReadHandle:
             with self._lock:  # validate it while the next batch is still in flight
                 b.error = err
                 b.finished = True
-                self._poll(hand_off=False)
+                if not b.settled:  # (a poller on another thread may have timed it out meanwhile)
+                    self._settle_finished(b)
+                self._set_result_if_settled()
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         """Validate a finished batch's blocks (or fail them all) and count them."""
@@ -319,9 +327,7 @@ class ReadHandle:
             if b.settled:
                 continue
             if b.finished:
-                if b.error is not None:
-                    log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, b.error)
-                self._settle(b, b.error is None)
+                self._settle_finished(b)
                 continue
             if expired is None:
                 expired = time.monotonic() > self._deadline
@@ -334,7 +340,16 @@ class ReadHandle:
                 unclaimed.append(b)
         if hand_off and unclaimed:
             self._hand_off(unclaimed)
-        if not unsettled and self.result is None:
+        if not unsettled:
+            self._set_result_if_settled()
+
+    def _settle_finished(self, b: _Batch) -> None:
+        if b.error is not None:
+            log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, b.error)
+        self._settle(b, b.error is None)
+
+    def _set_result_if_settled(self) -> None:
+        if self.result is None and all(b.settled for b in self._batches):
             self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:

@@ -1,5 +1,6 @@
 """Reader logic with a scripted transfer engine (fast; the real engine is in test_pool.py):
-what happens to reads queued behind a first contact that fails."""
+what happens to reads queued behind a first contact that fails, batching per source and in
+splits, and validation block by block."""
 from __future__ import annotations
 
 import threading
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
 from kvpool.pool import PoolStats
 from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch
 from kvpool.transfer import TransferError
@@ -67,3 +69,73 @@ def test_failed_first_contact_fails_its_reads_posts_nothing_and_the_next_read_tr
         handle.wait(10)
         assert te.contacts == 2 and peers.known(SESSION)
         assert len(te.submitted) == 2  # 8 blocks from one source: two batches of MIN_BATCH
+
+
+class LandedEngine(ScriptedEngine):
+    """Every read 'lands' at once (the test wrote the bytes beforehand); records what was posted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contact_fails = False
+        self.release.set()
+        self.sessions: list[str] = []
+
+    def submit_read(self, session, local, remote, lengths) -> int:
+        self.sessions.append(session)
+        return super().submit_read(session, local, remote, lengths)
+
+
+def _landed_blocks(n: int, payload: int, stale: set[int]) -> tuple[np.ndarray, list[tuple[bytes, int]]]:
+    """Destination memory in slot strides with header + payload in place for `n` blocks, as a
+    read leaves it; blocks in `stale` carry the next generation (the source rewrote the slot)."""
+    stride = HEADER_BYTES + payload
+    mem = np.zeros(n * stride, dtype=np.uint8)
+    rng = np.random.default_rng(7)
+    blocks = []
+    for i in range(n):
+        h = bytes([i + 1]) * 32
+        body = mem[i * stride + HEADER_BYTES:(i + 1) * stride]
+        body[:] = rng.integers(0, 255, payload, dtype=np.uint8)
+        gen = 5 + (i in stale)
+        mem[i * stride:i * stride + HEADER_BYTES] = np.frombuffer(
+            SlotHeader(MAGIC, gen, payload, checksum(body.ctypes.data, payload), h).pack(), dtype=np.uint8)
+        blocks.append((h, mem.ctypes.data + i * stride + HEADER_BYTES))
+    return mem, blocks
+
+
+def test_blocks_from_two_sources_go_as_one_batch_each_and_are_validated_one_by_one() -> None:
+    te = LandedEngine()
+    scratch = Scratch(te, 32)
+    peers = Peers(te, scratch)
+    nodes = {NodeId(f"n{k}"): NodeRecord(NodeId(f"n{k}"), f"127.0.0.1:{k + 1}", 1 << 20, 1 << 20, "ns", 1, 10)
+             for k in range(2)}
+    for node in nodes.values():
+        peers._known.add(node.session_address)
+    mem, blocks = _landed_blocks(6, 256, stale={3})
+    items = [ReadItem(i, BlockLocation(h, NodeId(f"n{i % 2}"), i * 512, HEADER_BYTES + 256, 5), dest, 256)
+             for i, (h, dest) in enumerate(blocks)]
+    stats = PoolStats()
+    with ThreadPoolExecutor(1) as completer:
+        res = ReadHandle(te, completer, scratch, peers, items, nodes, set(), [], 5, stats, header_room=True).wait(10)
+    assert sorted(te.sessions) == ["127.0.0.1:1", "127.0.0.1:2"]  # one batch per source
+    assert sorted(len(local) for local in te.submitted) == [3, 3]
+    assert res.ok == (0, 1, 2, 4, 5) and res.failed == (3,)  # the rewritten slot is not handed on
+    assert stats.remote_hits == 5 and stats.failed_reads == 1 and stats.bytes_read == 5 * 256
+
+
+def test_a_long_chain_from_one_source_is_split_into_batches_completed_in_order() -> None:
+    te = LandedEngine()
+    scratch = Scratch(te, 32)
+    peers = Peers(te, scratch)
+    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
+    peers._known.add(SESSION)
+    mem, blocks = _landed_blocks(9, 128, stale={8})
+    items = [ReadItem(i, BlockLocation(h, NodeId("src"), i * 256, HEADER_BYTES + 128, 5), dest, 128)
+             for i, (h, dest) in enumerate(blocks)]
+    with ThreadPoolExecutor(1) as completer:
+        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
+                            header_room=True)
+        res = handle.wait(10)
+    assert [len(local) for local in te.submitted] == [4, 4, 1]  # MIN_BATCH blocks at least per batch
+    assert te.submitted[0][0] == blocks[0][1] - HEADER_BYTES  # header room: one range per block
+    assert res.ok == tuple(range(8)) and res.failed == (8,)
