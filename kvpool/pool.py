@@ -242,8 +242,9 @@ class NodePool:
         batch per source node. Destinations must lie in memory registered with
         `register_memory`. With `header_room`, the HEADER_BYTES before each destination are
         the caller's scratch (a cache laid out in slot strides): each block is then read as
-        one contiguous range, header and payload together; otherwise the header goes to a
-        separate scratch area (two ranges per block). Raises PoolError for bad arguments;
+        one contiguous range, header and payload together, and blocks that sit back to back
+        on both sides as one range; otherwise the header goes to a separate scratch area (two
+        ranges per block). Raises PoolError for bad arguments;
         read failures are reported by the handle as failed block indices.
         """
         if len(locations) != len(dest_addrs):
@@ -251,7 +252,8 @@ class NodePool:
         n = self.config.block_bytes
         pre = HEADER_BYTES if header_room else 0
         lo, hi = (min(dest_addrs), max(dest_addrs)) if dest_addrs else (0, 0)
-        if dest_addrs and not self.te.is_registered(lo - pre, hi - lo + pre + n):
+        one_region = bool(dest_addrs) and self.te.is_registered(lo - pre, hi - lo + pre + n)
+        if dest_addrs and not one_region:
             for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
                 if not self.te.is_registered(dst - pre, n + pre):
                     raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
@@ -270,7 +272,7 @@ class NodePool:
         local_ok = self._read_local(local) if local else set()
         return ReadHandle(self.te, self._completer, self._scratch, self._peers, remote, nodes, local_ok,
                           [it.index for it in local if it.index not in local_ok], self.config.read_timeout_s,
-                          self.stats, header_room)
+                          self.stats, header_room, merge_ranges=one_region)
 
     def _read_local(self, items: list[ReadItem]) -> set[int]:
         ok = set()

@@ -62,6 +62,25 @@ class ReadResult:
     failed: tuple[int, ...]  # request indices to recompute
 
 
+def coalesce(local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Merge ranges that continue one another on both sides into one range.
+
+    Slots a source filled in a row sit back to back, as do the engine's cache blocks in slot
+    strides, so a chain often is one contiguous run (header, payload, header, payload...) on
+    both sides. The transfer engine pays per range (a request, then its 64 KiB slices in
+    turn), so one range for the run moves the same bytes in fewer, fuller slices. Only for
+    destinations in one registered region (a range must not cross registrations)."""
+    out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
+    for lo, re, n in zip(local[1:], remote[1:], lengths[1:]):
+        if lo == out_l[-1] + out_n[-1] and re == out_r[-1] + out_n[-1]:
+            out_n[-1] += n
+        else:
+            out_l.append(lo)
+            out_r.append(re)
+            out_n.append(n)
+    return out_l, out_r, out_n
+
+
 class Scratch:
     """Registered memory for slot headers of in-flight reads, handed out in index sets."""
 
@@ -161,9 +180,11 @@ class ReadHandle:
 
     def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, peers: Peers,
                  remote: list[ReadItem], nodes: dict[NodeId, NodeRecord], local_ok: set[int],
-                 local_failed: list[int], timeout_s: float, stats: PoolStats, header_room: bool = False) -> None:
+                 local_failed: list[int], timeout_s: float, stats: PoolStats, header_room: bool = False,
+                 merge_ranges: bool = False) -> None:
         self._te = te
         self._header_room = header_room
+        self._merge_ranges = merge_ranges  # the destinations lie in one registered region
         self._completer = completer
         self._scratch = scratch
         self._peers = peers
@@ -203,6 +224,8 @@ class ReadHandle:
             local = [it.dest_addr - HEADER_BYTES for it in items]
             remote = [base + it.location.offset for it in items]
             lengths = [HEADER_BYTES + it.nbytes for it in items]
+            if self._merge_ranges and len(items) > 1:
+                local, remote, lengths = coalesce(local, remote, lengths)
         else:
             taken = self._scratch.take(len(items))
             if taken is None:

@@ -292,21 +292,34 @@ def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver
         pool.close()
 
 
-def test_reads_into_slot_strided_memory_one_range_per_block(two_pools, metaserver: MetaserverProcess) -> None:
+def test_reads_into_slot_strided_memory_back_to_back_blocks_as_one_range(
+        two_pools, metaserver: MetaserverProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Header + payload per block as one range; blocks back to back on both sides (A filled
+    its slots in a row, the destination is in slot strides) as one range per batch. The real
+    transfer engine moves the merged ranges; every block is still validated on its own."""
     a, b = two_pools
     hashes = fill(a, 6)
     stride = slot_bytes_for(BB)
     dest = np.zeros(6 * stride, dtype=np.uint8)
     b.register_memory(dest.ctypes.data, dest.nbytes)
     addrs = [dest.ctypes.data + i * stride + HEADER_BYTES for i in range(6)]
+    posted: list[list[int]] = []
+    submit = b.te.submit_read
+    monkeypatch.setattr(b.te, "submit_read", lambda s, lo, re, n: (posted.append(list(n)), submit(s, lo, re, n))[1])
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes)
+    assert [loc.offset for loc in r.locations] == [i * stride for i in range(6)]  # A's slots 0..5
     res = b.get(r.locations, r.nodes, addrs, header_room=True).wait(60)
     assert res.failed == ()
+    assert posted == [[4 * (HEADER_BYTES + BB)], [2 * (HEADER_BYTES + BB)]]  # two batches, one range each
     for i, h in enumerate(hashes):
         assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
     a.overwrite_for_test(hashes[2], bytes(BB))
+    dest[:] = 0
     assert b.get(r.locations, r.nodes, addrs, header_room=True).wait(60).failed == (2,)
+    for i, h in enumerate(hashes):  # the others still arrive and validate inside the merged range
+        if i != 2:
+            assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
     with pytest.raises(PoolError, match="outside registered memory"):
         b.get(r.locations[:1], r.nodes, [dest.ctypes.data], header_room=True)  # no room before it
 

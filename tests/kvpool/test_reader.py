@@ -11,7 +11,7 @@ import numpy as np
 
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
 from kvpool.pool import PoolStats
-from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch
+from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch, coalesce
 from kvpool.transfer import TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -139,3 +139,33 @@ def test_a_long_chain_from_one_source_is_split_into_batches_completed_in_order()
     assert [len(local) for local in te.submitted] == [4, 4, 1]  # MIN_BATCH blocks at least per batch
     assert te.submitted[0][0] == blocks[0][1] - HEADER_BYTES  # header room: one range per block
     assert res.ok == tuple(range(8)) and res.failed == (8,)
+
+
+def test_coalesce_merges_ranges_that_continue_on_both_sides_only() -> None:
+    # three back-to-back ranges, then one whose destination jumps, then one whose source jumps
+    local = [1000, 1100, 1200, 5000, 5100]
+    remote = [70, 170, 270, 370, 9000]
+    lengths = [100, 100, 100, 100, 100]
+    assert coalesce(local, remote, lengths) == ([1000, 5000, 5100], [70, 370, 9000], [300, 100, 100])
+    assert coalesce([1], [2], [3]) == ([1], [2], [3])
+
+
+def test_a_chain_back_to_back_on_both_sides_goes_as_one_range_and_a_rewritten_block_in_it_still_fails() -> None:
+    te = LandedEngine()
+    scratch = Scratch(te, 32)
+    peers = Peers(te, scratch)
+    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
+    peers._known.add(SESSION)
+    slot = HEADER_BYTES + 128
+    mem, blocks = _landed_blocks(4, 128, stale={2})  # destinations in slot strides: back to back
+    items = [ReadItem(i, BlockLocation(h, NodeId("src"), (7 + i) * slot, slot, 5), dest, 128)
+             for i, (h, dest) in enumerate(blocks)]  # source slots 7..10: back to back too
+    with ThreadPoolExecutor(1) as completer:
+        res = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
+                         header_room=True, merge_ranges=True).wait(10)
+        assert te.submitted == [[blocks[0][1] - HEADER_BYTES]]  # one range for the four blocks
+        assert res.ok == (0, 1, 3) and res.failed == (2,)
+        te.submitted.clear()
+        ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
+                   header_room=True).wait(10)  # destinations not known to be in one region: no merging
+        assert len(te.submitted[0]) == 4
