@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPLIT = 4        # batches per source for a long chain (validation overlaps the transfer)
+MERGE_MAX_BYTES = 4 << 20  # merged ranges up to this size (see coalesce)
 MIN_BATCH = 4    # blocks per batch at least
 
 
@@ -62,17 +63,30 @@ class ReadResult:
     failed: tuple[int, ...]  # request indices to recompute
 
 
-def coalesce(local: list[int], remote: list[int], lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+def batch_slices(n: int) -> list[slice]:
+    """How a chain of `n` blocks from one source is cut into batches: up to SPLIT, each of
+    MIN_BATCH blocks at least."""
+    step = max(MIN_BATCH, -(-n // SPLIT))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def coalesce(local: list[int], remote: list[int], lengths: list[int],
+             max_bytes: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """Merge ranges that continue one another on both sides into one range.
 
     Slots a source filled in a row sit back to back, as do the engine's cache blocks in slot
     strides, so a chain often is one contiguous run (header, payload, header, payload...) on
     both sides. The transfer engine pays per range (a request, then its 64 KiB slices in
     turn), so one range for the run moves the same bytes in fewer, fuller slices. Only for
-    destinations in one registered region (a range must not cross registrations)."""
+    destinations in one registered region (a range must not cross registrations). Merged
+    ranges stay under `max_bytes` (MERGE_MAX_BYTES): one 64 MiB range of 4 MiB blocks was
+    3-8% slower here than the same blocks as ranges of their own, which the engine spreads
+    over its TCP lanes to the peer."""
+    if max_bytes is None:
+        max_bytes = MERGE_MAX_BYTES
     out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
     for lo, re, n in zip(local[1:], remote[1:], lengths[1:]):
-        if lo == out_l[-1] + out_n[-1] and re == out_r[-1] + out_n[-1]:
+        if lo == out_l[-1] + out_n[-1] and re == out_r[-1] + out_n[-1] and out_n[-1] + n <= max_bytes:
             out_n[-1] += n
         else:
             out_l.append(lo)
@@ -213,9 +227,8 @@ class ReadHandle:
         if len(items) <= MIN_BATCH:
             self._submit_batch(node, items)
             return
-        step = max(MIN_BATCH, -(-len(items) // SPLIT))
-        for i in range(0, len(items), step):
-            self._submit_batch(node, items[i:i + step])
+        for part in batch_slices(len(items)):
+            self._submit_batch(node, items[part])
 
     def _submit_batch(self, node: NodeRecord, items: list[ReadItem]) -> None:
         base = node.buffer_address

@@ -3,6 +3,9 @@
 One run, same bytes, same machine, a source process and this reader process:
 - kvpool get: `NodePool.get` (TE batch per source, header + payload, validation);
 - raw TE: the transfer engine's batched read of the same payload ranges, no pool logic;
+- raw TE, our ranges: the same engine call, as one batch, for the ranges a get posts (header
+  + payload per block, blocks back to back on both sides merged within each of the get's
+  batches), no validation: what the get adds to the transfer;
 - TCP: one Python socket stream of the same bytes (loopback without any engine);
 - memcpy: an in-process copy of the same bytes (the memory limit);
 - Mooncake Store: `mooncake_master` + `MooncakeDistributedStore.batch_get_into` of the same
@@ -29,6 +32,7 @@ import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
 from kvpool.layout import HEADER_BYTES
+from kvpool.reader import batch_slices, coalesce
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
 from metaserver.client import MetaClient
@@ -51,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="more rounds for quick cells until the rounds take about this long (a 0.3 ms read "
                         "timed 7 times is at the mercy of one scheduler hiccup)")
     p.add_argument("--no-store", action="store_true", help="skip Mooncake Store")
+    p.add_argument("--scatter", action="store_true",
+                   help="destinations of a chain in a shuffled order of cache slots (a fragmented engine cache: "
+                        "no two blocks back to back, so no merged ranges)")
     p.add_argument("--split-header", action="store_true",
                    help="read slot headers as separate ranges (destinations without header room)")
     p.add_argument("--phases", action="store_true",
@@ -155,8 +162,21 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 for chain in [c for c in chains if c <= n]:
                     nbytes = chain * size
                     blocks = range(FIRST, FIRST + chain)
-                    dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in blocks]
+                    order = list(blocks)
+                    if args.scatter:  # no two consecutive blocks in neighbouring slots
+                        order = order[::2] + order[1::2] if chain > 2 else order[::-1]
+                    dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in order]
                     locs = q.locations[FIRST:FIRST + chain]
+                    slots = [node.buffer_address + loc.offset for loc in locs]
+                    if args.split_header:  # what a get without header room posts: two ranges per block
+                        runs = ([d - HEADER_BYTES for d in dests] + dests, slots + [a + HEADER_BYTES for a in slots],
+                                [HEADER_BYTES] * chain + [size] * chain)
+                    else:  # cut into the get's batches, each batch's back-to-back blocks merged
+                        runs = ([], [], [])
+                        for part in batch_slices(chain):
+                            for acc, got in zip(runs, coalesce([d - HEADER_BYTES for d in dests[part]], slots[part],
+                                                               [HEADER_BYTES + size] * len(dests[part]))):
+                                acc.extend(got)
 
                     def ours() -> None:
                         res = reader.get(locs, q.nodes, dests, header_room=not args.split_header).wait(60)
@@ -174,9 +194,12 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                         if any(rc != size for rc in rcs):
                             raise RuntimeError(f"Mooncake Store get returned {set(rcs)}")
 
-                    cell = {"block_bytes": size, "chain": chain, "bytes": nbytes}
+                    cell = {"block_bytes": size, "chain": chain, "bytes": nbytes, "ranges": len(runs[0])}
                     lo = dests[0] - dest.ctypes.data  # the same first destination byte for every method
-                    fns = {"kvpool_get": ours, "raw_te": raw_te,
+                    def raw_te_ranges() -> None:
+                        reader.te.read_sync(node.session_address, *runs)
+
+                    fns = {"kvpool_get": ours, "raw_te": raw_te, "raw_te_ranges": raw_te_ranges,
                            "tcp": lambda: tcp.read(memoryview(dest)[lo:lo + nbytes]),
                            "memcpy": lambda: np.copyto(dest[lo:lo + nbytes], local_src[:nbytes])}
                     if store is not None:
@@ -260,20 +283,22 @@ def print_phases(p: dict[str, dict[str, float]]) -> None:
         print(f"{'':>22}   {name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in p[name].items()) + " us", flush=True)
 
 
-COLS = ("kvpool_get", "raw_te", "tcp", "memcpy", "mooncake_store")
+COLS = ("kvpool_get", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store")
 
 
 def print_row(c: dict, header: bool) -> None:
     if header:
-        print(f"{'block':>8} {'chain':>5} {'MiB':>6} | {'kvpool get':>10} {'raw TE':>7} {'TCP':>6} {'memcpy':>7} "
-              f"{'MC Store':>8} | {'get/raw':>7} {'get/store':>9} {'get p50':>8}")
-        print(f"{'':>8} {'':>5} {'':>6} | {'GB/s':>10} {'GB/s':>7} {'GB/s':>6} {'GB/s':>7} {'GB/s':>8} | "
-              f"{'':>7} {'':>9} {'ms':>8}")
+        print(f"{'block':>8} {'chain':>5} {'MiB':>6} | {'kvpool get':>10} {'raw TE':>7} {'ranges':>10} {'TCP':>6} "
+              f"{'memcpy':>7} {'MC Store':>8} | {'get/raw':>7} {'get/rng':>7} {'get/store':>9} {'get p50':>8}")
+        print(f"{'':>8} {'':>5} {'':>6} | {'GB/s':>10} {'GB/s':>7} {'GB/s':>10} {'GB/s':>6} {'GB/s':>7} {'GB/s':>8} | "
+              f"{'':>7} {'':>7} {'':>9} {'ms':>8}")
     vals = [c.get(f"{k}_GBps", float("nan")) for k in COLS]
     store_ratio = c["kvpool_get_GBps"] / c["mooncake_store_GBps"] if "mooncake_store_GBps" in c else float("nan")
+    ranges = f"({c['ranges']}) {vals[2]:.2f}"
     print(f"{c['block_bytes'] // 1024:>6}Ki {c['chain']:>5} {c['bytes'] / 2**20:>6.1f} | {vals[0]:>10.2f} {vals[1]:>7.2f} "
-          f"{vals[2]:>6.2f} {vals[3]:>7.2f} {vals[4]:>8.2f} | {c['kvpool_get_GBps'] / c['raw_te_GBps']:>7.0%} "
-          f"{store_ratio:>9.0%} {c['kvpool_get_s'] * 1e3:>8.3f}", flush=True)
+          f"{ranges:>10} {vals[3]:>6.2f} {vals[4]:>7.2f} {vals[5]:>8.2f} | {c['kvpool_get_GBps'] / c['raw_te_GBps']:>7.0%} "
+          f"{c['kvpool_get_GBps'] / c['raw_te_ranges_GBps']:>7.0%} {store_ratio:>9.0%} {c['kvpool_get_s'] * 1e3:>8.3f}",
+          flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -23,8 +23,9 @@ def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> No
     assert [(c["block_bytes"], c["chain"]) for c in rows] == [(65536, 1), (65536, 4), (262144, 1), (262144, 4)]
     for c in rows:
         assert c["bytes"] == c["block_bytes"] * c["chain"]
-        for name in ("kvpool_get", "raw_te", "tcp", "memcpy", "mooncake_store"):
+        for name in ("kvpool_get", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store"):
             assert c[f"{name}_s"] > 0 and c[f"{name}_GBps"] > 0, (name, c)
+        assert c["ranges"] == 1  # a chain of 4 back-to-back blocks: one batch, one merged range
         if c["chain"] == 1:  # --phases: where a one-block get's time goes, beside a raw read
             p = c["phases_us"]
             assert set(p["kvpool_get"]) == {"pre", "submit", "between", "transfer", "post", "total", "checksum"}
@@ -34,3 +35,13 @@ def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> No
             assert 0 < p["kvpool_get"]["checksum"] <= p["kvpool_get"]["post"]
         else:
             assert "phases_us" not in c
+
+
+def test_scattered_destinations_are_read_as_one_range_per_block(tmp_path: Path) -> None:
+    out = tmp_path / "transfer.json"
+    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "transfer", "--sizes",
+                        "64KiB", "--chains", "4", "--repeat", "2", "--min-seconds", "0", "--scatter", "--no-store",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (cell,) = json.loads(out.read_text())["rows"]
+    assert cell["ranges"] == 4 and cell["kvpool_get_GBps"] > 0  # no two blocks back to back: nothing merged

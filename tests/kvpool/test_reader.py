@@ -148,6 +148,8 @@ def test_coalesce_merges_ranges_that_continue_on_both_sides_only() -> None:
     lengths = [100, 100, 100, 100, 100]
     assert coalesce(local, remote, lengths) == ([1000, 5000, 5100], [70, 370, 9000], [300, 100, 100])
     assert coalesce([1], [2], [3]) == ([1], [2], [3])
+    assert coalesce(local, remote, lengths, max_bytes=200) == ([1000, 1200, 5000, 5100], [70, 270, 370, 9000],
+                                                               [200, 100, 100, 100])  # merged ranges stay small
 
 
 def test_a_chain_back_to_back_on_both_sides_goes_as_one_range_and_a_rewritten_block_in_it_still_fails() -> None:
