@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def timed_interleaved(fns: dict[str, Callable[[], None]], repeat: int, min_seconds: float = 0.0) -> dict[str, float]:
-    """Median seconds per method. Methods are interleaved (round r times each once, in turn),
+    """Median seconds per method. Methods are interleaved (round r times each once, in turn,
+    starting with a different one each round, so none always follows the same neighbour),
     so that drift in this shared machine's speed lands on all of them alike; one warm-up
     call each first (connections, page faults). At least `repeat` rounds, more (up to
     20,000) if that many take less than `min_seconds` by the warm-up calls' times."""
@@ -77,8 +78,9 @@ def timed_interleaved(fns: dict[str, Callable[[], None]], repeat: int, min_secon
     round_s = time.perf_counter() - t0
     repeat = max(repeat, min(20_000, int(min_seconds / max(round_s, 1e-6))))
     runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(repeat):
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:  # each method goes first in turn
             t0 = time.perf_counter()
             fn()
             runs[name].append(time.perf_counter() - t0)
