@@ -103,6 +103,16 @@ def _landed_blocks(n: int, payload: int, stale: set[int]) -> tuple[np.ndarray, l
     return mem, blocks
 
 
+def _known_source() -> tuple[LandedEngine, Scratch, Peers, NodeRecord]:
+    """A reader's engine, scratch and peers, and one source it has made contact with."""
+    te = LandedEngine()
+    scratch = Scratch(te, 32)
+    peers = Peers(te, scratch)
+    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
+    peers._known.add(SESSION)
+    return te, scratch, peers, node
+
+
 def test_blocks_from_two_sources_go_as_one_batch_each_and_are_validated_one_by_one() -> None:
     te = LandedEngine()
     scratch = Scratch(te, 32)
@@ -124,11 +134,7 @@ def test_blocks_from_two_sources_go_as_one_batch_each_and_are_validated_one_by_o
 
 
 def test_a_long_chain_from_one_source_is_split_into_batches_completed_in_order() -> None:
-    te = LandedEngine()
-    scratch = Scratch(te, 32)
-    peers = Peers(te, scratch)
-    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
-    peers._known.add(SESSION)
+    te, scratch, peers, node = _known_source()
     mem, blocks = _landed_blocks(9, 128, stale={8})
     items = [ReadItem(i, BlockLocation(h, NodeId("src"), i * 256, HEADER_BYTES + 128, 5), dest, 128)
              for i, (h, dest) in enumerate(blocks)]
@@ -153,11 +159,7 @@ def test_coalesce_merges_ranges_that_continue_on_both_sides_only() -> None:
 
 
 def test_a_chain_back_to_back_on_both_sides_goes_as_one_range_and_a_rewritten_block_in_it_still_fails() -> None:
-    te = LandedEngine()
-    scratch = Scratch(te, 32)
-    peers = Peers(te, scratch)
-    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
-    peers._known.add(SESSION)
+    te, scratch, peers, node = _known_source()
     slot = HEADER_BYTES + 128
     mem, blocks = _landed_blocks(4, 128, stale={2})  # destinations in slot strides: back to back
     items = [ReadItem(i, BlockLocation(h, NodeId("src"), (7 + i) * slot, slot, 5), dest, 128)
