@@ -1,9 +1,10 @@
-"""Validated remote reads: one transfer batch per source node, polled to completion.
+"""Validated remote reads: transfer batches per source node, polled to completion.
 
 Each block's payload goes straight into the caller's destination (the engine's KV cache:
 no staging copy). Its 64-byte slot header comes along in the same batch: as part of one
 contiguous range when the caller left header room before each destination (a cache in
-slot strides), else as a second range into a registered scratch area.
+slot strides), else as a second range into a registered scratch area. With header room,
+blocks that sit back to back on both sides travel as one range (`coalesce`).
 When a batch completes, each block is accepted only if the
 header's magic, hash and generation match the index's promise and the payload's checksum
 matches the header; otherwise it is reported failed and the caller recomputes it.
