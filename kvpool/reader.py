@@ -322,8 +322,7 @@ class ReadHandle:
         for b in mine:
             err = self._complete(b)
             with self._lock:  # validate it while the next batch is still in flight
-                b.error = err
-                b.finished = True
+                self._finish(b, err)  # (wakes other threads blocked in wait())
                 if not b.settled:  # (a poller on another thread may have timed it out meanwhile)
                     self._settle_finished(b)
                 self._set_result_if_settled()

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
 from kvpool.pool import PoolStats
-from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch, coalesce
+from kvpool.reader import Peers, ReadHandle, ReadItem, ReadResult, Scratch, coalesce
 from kvpool.transfer import TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -103,9 +103,9 @@ def _landed_blocks(n: int, payload: int, stale: set[int]) -> tuple[np.ndarray, l
     return mem, blocks
 
 
-def _known_source() -> tuple[LandedEngine, Scratch, Peers, NodeRecord]:
+def _known_source(te: LandedEngine | None = None) -> tuple[LandedEngine, Scratch, Peers, NodeRecord]:
     """A reader's engine, scratch and peers, and one source it has made contact with."""
-    te = LandedEngine()
+    te = te or LandedEngine()
     scratch = Scratch(te, 32)
     peers = Peers(te, scratch)
     node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
@@ -173,3 +173,42 @@ def test_a_chain_back_to_back_on_both_sides_goes_as_one_range_and_a_rewritten_bl
         ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
                    header_room=True).wait(10)  # destinations not known to be in one region: no merging
         assert len(te.submitted[0]) == 4
+
+
+class HeldEngine(LandedEngine):
+    """complete() blocks until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completing = threading.Event()
+        self.go = threading.Event()
+
+    def complete(self, batch_id: int) -> None:
+        self.completing.set()
+        self.go.wait(30)
+
+
+def test_a_second_waiter_wakes_when_the_first_completes_the_read_inline() -> None:
+    """Two threads wait on one handle: the first spins on the batch itself; the second must be
+    woken when it is done, not sleep until the read's deadline."""
+    te = HeldEngine()
+    _, scratch, peers, node = _known_source(te)
+    mem, blocks = _landed_blocks(2, 128, stale=set())
+    items = [ReadItem(i, BlockLocation(h, NodeId("src"), i * 1024, HEADER_BYTES + 128, 5), dest, 128)
+             for i, (h, dest) in enumerate(blocks)]
+    results: dict[str, object] = {}
+    with ThreadPoolExecutor(1) as completer:
+        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 600, PoolStats(),
+                            header_room=True)
+        first = threading.Thread(target=lambda: results.setdefault("first", handle.wait()))
+        first.start()
+        assert te.completing.wait(10)  # the first waiter is inside complete()
+        second = threading.Thread(target=lambda: results.setdefault("second", handle.wait()))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # blocked: the read is not done yet
+        te.go.set()
+        first.join(10)
+        second.join(10)  # a lost wake-up would sleep until the 600 s deadline
+        assert not first.is_alive() and not second.is_alive()
+    assert results["first"] == results["second"] == ReadResult((0, 1), ())
