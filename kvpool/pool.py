@@ -251,9 +251,9 @@ class NodePool:
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
         pre = HEADER_BYTES if header_room else 0
-        lo, hi = (min(dest_addrs), max(dest_addrs)) if dest_addrs else (0, 0)
-        one_region = bool(dest_addrs) and self.te.is_registered(lo - pre, hi - lo + pre + n)
-        if dest_addrs and not one_region:
+        one_region = bool(dest_addrs) and self.te.is_registered(min(dest_addrs) - pre,
+                                                                max(dest_addrs) - min(dest_addrs) + pre + n)
+        if not one_region:
             for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
                 if not self.te.is_registered(dst - pre, n + pre):
                     raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")

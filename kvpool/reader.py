@@ -72,7 +72,7 @@ def batch_slices(n: int) -> list[slice]:
 
 
 def coalesce(local: list[int], remote: list[int], lengths: list[int],
-             max_bytes: int | None = None) -> tuple[list[int], list[int], list[int]]:
+             max_bytes: int = MERGE_MAX_BYTES) -> tuple[list[int], list[int], list[int]]:
     """Merge ranges that continue one another on both sides into one range.
 
     Slots a source filled in a row sit back to back, as do the engine's cache blocks in slot
@@ -83,8 +83,6 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     ranges stay under `max_bytes` (MERGE_MAX_BYTES): one 64 MiB range of 4 MiB blocks was
     3-8% slower here than the same blocks as ranges of their own, which the engine spreads
     over its TCP lanes to the peer."""
-    if max_bytes is None:
-        max_bytes = MERGE_MAX_BYTES
     out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
     for lo, re, n in zip(local[1:], remote[1:], lengths[1:]):
         if lo == out_l[-1] + out_n[-1] and re == out_r[-1] + out_n[-1] and out_n[-1] + n <= max_bytes:
@@ -212,24 +210,15 @@ class ReadHandle:
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
         self.result: ReadResult | None = None
+        by_node: dict[NodeId, list[ReadItem]] = {}
+        for it in remote:
+            by_node.setdefault(it.location.node_id, []).append(it)
         with self._lock:
-            if remote and all(it.location.node_id == remote[0].location.node_id for it in remote):
-                self._submit(nodes[remote[0].location.node_id], remote)  # one source, the usual case
-            else:
-                by_node: dict[NodeId, list[ReadItem]] = {}
-                for it in remote:
-                    by_node.setdefault(it.location.node_id, []).append(it)
-                for node_id, items in by_node.items():
-                    self._submit(nodes[node_id], items)
+            for node_id, items in by_node.items():
+                for part in batch_slices(len(items)):
+                    self._submit_batch(nodes[node_id], items[part])
             if not self._batches:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
-
-    def _submit(self, node: NodeRecord, items: list[ReadItem]) -> None:
-        if len(items) <= MIN_BATCH:
-            self._submit_batch(node, items)
-            return
-        for part in batch_slices(len(items)):
-            self._submit_batch(node, items[part])
 
     def _submit_batch(self, node: NodeRecord, items: list[ReadItem]) -> None:
         base = node.buffer_address
@@ -238,7 +227,7 @@ class ReadHandle:
             local = [it.dest_addr - HEADER_BYTES for it in items]
             remote = [base + it.location.offset for it in items]
             lengths = [HEADER_BYTES + it.nbytes for it in items]
-            if self._merge_ranges and len(items) > 1:
+            if self._merge_ranges:
                 local, remote, lengths = coalesce(local, remote, lengths)
         else:
             taken = self._scratch.take(len(items))
