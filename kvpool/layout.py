@@ -60,14 +60,17 @@ def view(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
 
 
-def header_at(addr: int) -> tuple[int, int, int, int, int, int, bytes]:
-    """The raw fields of the slot header at `addr`: magic, version, flags, generation,
-    payload bytes, checksum, block hash (NUL-padded to 32 bytes)."""
-    return HEADER.unpack(ctypes.string_at(addr, HEADER_BYTES))
-
-
 def checksum(addr: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(view(addr, nbytes))
+
+
+def holds(header_addr: int, payload_addr: int, nbytes: int, block_hash: bytes, generation: int) -> bool:
+    """A slot header read to `header_addr` and its payload read to `payload_addr` are the block
+    the index promised: magic, hash, generation and size match, and the payload's checksum
+    matches the header's (a slot overwritten or evicted during the read fails one of them)."""
+    magic, _version, _flags, gen, size, digest, h = HEADER.unpack(ctypes.string_at(header_addr, HEADER_BYTES))
+    return (magic == MAGIC and h == block_hash and gen == generation and size == nbytes
+            and xxhash.xxh3_64_intdigest(view(payload_addr, nbytes)) == digest)
 
 
 def memcpy(dst: int, src: int, nbytes: int) -> None:

@@ -251,8 +251,10 @@ class NodePool:
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
         pre = HEADER_BYTES if header_room else 0
-        one_region = bool(dest_addrs) and self.te.is_registered(min(dest_addrs) - pre,
-                                                                max(dest_addrs) - min(dest_addrs) + pre + n)
+        one_region = False
+        if dest_addrs:
+            lo, hi = min(dest_addrs), max(dest_addrs)
+            one_region = self.te.is_registered(lo - pre, hi - lo + pre + n)
         if not one_region:
             for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
                 if not self.te.is_registered(dst - pre, n + pre):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, MAGIC, checksum, header_at
+from kvpool.layout import HEADER_BYTES, holds
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -68,6 +68,8 @@ def batch_slices(n: int) -> list[slice]:
     """How a chain of `n` blocks from one source is cut into batches: up to SPLIT, each of
     MIN_BATCH blocks at least."""
     step = max(MIN_BATCH, -(-n // SPLIT))
+    if n <= step:
+        return [slice(0, n)]
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
@@ -83,6 +85,8 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     ranges stay under `max_bytes` (MERGE_MAX_BYTES): one 64 MiB range of 4 MiB blocks was
     3-8% slower here than the same blocks as ranges of their own, which the engine spreads
     over its TCP lanes to the peer."""
+    if len(local) == 1:
+        return local, remote, lengths
     out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
     for lo, re, n in zip(local[1:], remote[1:], lengths[1:]):
         if lo == out_l[-1] + out_n[-1] and re == out_r[-1] + out_n[-1] and out_n[-1] + n <= max_bytes:
@@ -327,13 +331,11 @@ class ReadHandle:
             headers = ([self._scratch.slot_addr(s) for s in batch.scratch] if batch.scratch
                        else [it.dest_addr - HEADER_BYTES for it in batch.items])
             for it, header in zip(batch.items, headers):
-                magic, _version, _flags, generation, nbytes, digest, block_hash = header_at(header)
                 loc = it.location
-                if (magic == MAGIC and block_hash == loc.block_hash and generation == loc.generation
-                        and nbytes == it.nbytes and checksum(it.dest_addr, nbytes) == digest):
+                if holds(header, it.dest_addr, it.nbytes, loc.block_hash, loc.generation):
                     good.add(it.index)
                     stats.remote_hits += 1
-                    stats.bytes_read += nbytes
+                    stats.bytes_read += it.nbytes
                 else:
                     bad.add(it.index)
                     stats.failed_reads += 1

@@ -85,7 +85,10 @@ class TransferEngine:
 
     def is_registered(self, addr: int, nbytes: int) -> bool:
         """True if [addr, addr+nbytes) lies inside one registered region."""
-        return any(base <= addr and addr + nbytes <= base + size for base, size in self._registered.items())
+        for base, size in self._registered.items():
+            if base <= addr and addr + nbytes <= base + size:
+                return True
+        return False
 
     def close(self) -> None:
         for addr in list(self._registered):
@@ -98,13 +101,13 @@ class TransferEngine:
 
     def read_sync(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> None:
         """Read remote ranges into local ones in one batch; raises TransferError on failure."""
-        rc = self._te.batch_transfer_sync_read(session, list(local), list(remote), list(lengths))
+        rc = self._te.batch_transfer_sync_read(session, local, remote, lengths)
         if rc != 0:
             raise TransferError(f"batch read of {len(lengths)} ranges from {session} returned {rc}")
 
     def submit_read(self, session: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
         """Start a batched read; returns a batch id for `complete`."""
-        batch = self._te.batch_transfer_async_read(session, list(local), list(remote), list(lengths))
+        batch = self._te.batch_transfer_async_read(session, local, remote, lengths)
         if batch <= 0:
             raise TransferError(f"submitting a read of {len(lengths)} ranges from {session} returned {batch}")
         return batch

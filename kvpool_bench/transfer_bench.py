@@ -2,6 +2,10 @@
 
 One run, same bytes, same machine, a source process and this reader process:
 - kvpool get: `NodePool.get` (TE batch per source, header + payload, validation);
+- validated floor: the get's own batches of the same ranges, posted at once and completed in
+  order, each block's header and checksum checked, and nothing else (no handle, no
+  bookkeeping): the least any read that validates its blocks takes here, so get/floor is
+  what the pool's code adds and floor/raw what validation costs on this machine;
 - raw TE: the transfer engine's batched read of the same payload ranges, no pool logic;
 - raw TE, our ranges: the same engine call, as one batch, for the ranges a get posts (header
   + payload per block, blocks back to back on both sides merged within each of the get's
@@ -31,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
-from kvpool.layout import HEADER_BYTES
+from kvpool.layout import HEADER_BYTES, holds
 from kvpool.reader import batch_slices, coalesce
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
@@ -170,20 +174,30 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in order]
                     locs = q.locations[FIRST:FIRST + chain]
                     slots = [node.buffer_address + loc.offset for loc in locs]
+                    parts = batch_slices(chain)  # the get's batches
                     if args.split_header:  # what a get without header room posts: two ranges per block
-                        runs = ([d - HEADER_BYTES for d in dests] + dests, slots + [a + HEADER_BYTES for a in slots],
-                                [HEADER_BYTES] * chain + [size] * chain)
-                    else:  # cut into the get's batches, each batch's back-to-back blocks merged
-                        runs = ([], [], [])
-                        for part in batch_slices(chain):
-                            for acc, got in zip(runs, coalesce([d - HEADER_BYTES for d in dests[part]], slots[part],
-                                                               [HEADER_BYTES + size] * len(dests[part]))):
-                                acc.extend(got)
+                        batches = [([d - HEADER_BYTES for d in dests[p]] + dests[p],
+                                    slots[p] + [a + HEADER_BYTES for a in slots[p]],
+                                    [HEADER_BYTES] * len(slots[p]) + [size] * len(slots[p])) for p in parts]
+                    else:  # each batch's back-to-back blocks merged
+                        batches = [coalesce([d - HEADER_BYTES for d in dests[p]], slots[p],
+                                            [HEADER_BYTES + size] * len(slots[p])) for p in parts]
+                    runs = tuple([x for b in batches for x in b[i]] for i in range(3))
+                    checks = [[(d - HEADER_BYTES, d, size, loc.block_hash, loc.generation)
+                               for d, loc in zip(dests[p], locs[p])] for p in parts]
 
                     def ours() -> None:
                         res = reader.get(locs, q.nodes, dests, header_room=not args.split_header).wait(60)
                         if res.failed:
                             raise RuntimeError(f"{len(res.failed)} blocks failed")
+
+                    def floor() -> None:
+                        te = reader.te
+                        ids = [te.submit_read(node.session_address, *b) for b in batches]
+                        for bid, blocks in zip(ids, checks):
+                            te.complete(bid)
+                            if not all(holds(*blk) for blk in blocks):
+                                raise RuntimeError("a block failed validation")
 
                     def raw_te() -> None:
                         reader.te.read_sync(node.session_address, dests,
@@ -201,7 +215,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     def raw_te_ranges() -> None:
                         reader.te.read_sync(node.session_address, *runs)
 
-                    fns = {"kvpool_get": ours, "raw_te": raw_te, "raw_te_ranges": raw_te_ranges,
+                    fns = {"kvpool_get": ours, "floor": floor, "raw_te": raw_te, "raw_te_ranges": raw_te_ranges,
                            "tcp": lambda: tcp.read(memoryview(dest)[lo:lo + nbytes]),
                            "memcpy": lambda: np.copyto(dest[lo:lo + nbytes], local_src[:nbytes])}
                     if store is not None:
@@ -235,11 +249,12 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
     complete of the same header-inclusive range, interleaved round by round: `pre` from the
     call to the transfer engine's submit, `submit` the submit call, `between` from its return
     to the completion call, `transfer` the completion call (the engine spins until the data
-    is in), `post` from there to the result (`checksum` is the xxh3 part of it)."""
+    is in), `post` from there to the result (`validate` is the header check and xxh3
+    checksum part of it)."""
     import kvpool.reader as reader_mod
 
     te, marks, sums = reader.te, {}, []
-    submit, complete, digest = te.submit_read, te.complete, reader_mod.checksum
+    submit, complete, validate = te.submit_read, te.complete, reader_mod.holds
 
     def timed_submit(*a: object) -> int:
         marks["s0"] = time.perf_counter()
@@ -252,9 +267,9 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
         complete(bid)
         marks["c1"] = time.perf_counter()
 
-    def timed_checksum(addr: int, n: int) -> int:
+    def timed_validate(*a: object) -> bool:
         t0 = time.perf_counter()
-        v = digest(addr, n)
+        v = validate(*a)  # type: ignore[arg-type]
         sums.append(time.perf_counter() - t0)
         return v
 
@@ -262,7 +277,7 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
         te.complete(te.submit_read(session, [dest - HEADER_BYTES], [slot_addr], [HEADER_BYTES + size]))
 
     runs: dict[str, dict[str, list[float]]] = {"kvpool_get": {}, "raw_te_async": {}}
-    te.submit_read, te.complete, reader_mod.checksum = timed_submit, timed_complete, timed_checksum  # type: ignore[method-assign]
+    te.submit_read, te.complete, reader_mod.holds = timed_submit, timed_complete, timed_validate  # type: ignore[method-assign]
     try:
         for _ in range(rounds):
             for name, fn in (("kvpool_get", get), ("raw_te_async", raw)):
@@ -274,9 +289,9 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
                              ("post", t1 - marks["c1"]), ("total", t1 - t0)):
                     runs[name].setdefault(k, []).append(v)
     finally:
-        te.submit_read, te.complete, reader_mod.checksum = submit, complete, digest  # type: ignore[method-assign]
+        te.submit_read, te.complete, reader_mod.holds = submit, complete, validate  # type: ignore[method-assign]
     out = {name: {k: statistics.median(v) * 1e6 for k, v in r.items()} for name, r in runs.items()}
-    out["kvpool_get"]["checksum"] = statistics.median(sums) * 1e6
+    out["kvpool_get"]["validate"] = statistics.median(sums) * 1e6
     return out
 
 
@@ -285,22 +300,21 @@ def print_phases(p: dict[str, dict[str, float]]) -> None:
         print(f"{'':>22}   {name:<12} " + "  ".join(f"{k} {v:.1f}" for k, v in p[name].items()) + " us", flush=True)
 
 
-COLS = ("kvpool_get", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store")
+COLS = ("kvpool_get", "floor", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store")
 
 
 def print_row(c: dict, header: bool) -> None:
     if header:
-        print(f"{'block':>8} {'chain':>5} {'MiB':>6} | {'kvpool get':>10} {'raw TE':>7} {'ranges':>10} {'TCP':>6} "
-              f"{'memcpy':>7} {'MC Store':>8} | {'get/raw':>7} {'get/rng':>7} {'get/store':>9} {'get p50':>8}")
-        print(f"{'':>8} {'':>5} {'':>6} | {'GB/s':>10} {'GB/s':>7} {'GB/s':>10} {'GB/s':>6} {'GB/s':>7} {'GB/s':>8} | "
-              f"{'':>7} {'':>7} {'':>9} {'ms':>8}")
-    vals = [c.get(f"{k}_GBps", float("nan")) for k in COLS]
-    store_ratio = c["kvpool_get_GBps"] / c["mooncake_store_GBps"] if "mooncake_store_GBps" in c else float("nan")
-    ranges = f"({c['ranges']}) {vals[2]:.2f}"
-    print(f"{c['block_bytes'] // 1024:>6}Ki {c['chain']:>5} {c['bytes'] / 2**20:>6.1f} | {vals[0]:>10.2f} {vals[1]:>7.2f} "
-          f"{ranges:>10} {vals[3]:>6.2f} {vals[4]:>7.2f} {vals[5]:>8.2f} | {c['kvpool_get_GBps'] / c['raw_te_GBps']:>7.0%} "
-          f"{c['kvpool_get_GBps'] / c['raw_te_ranges_GBps']:>7.0%} {store_ratio:>9.0%} {c['kvpool_get_s'] * 1e3:>8.3f}",
-          flush=True)
+        print(f"{'block':>8} {'chain':>5} {'MiB':>6} | {'kvpool get':>10} {'floor':>6} {'raw TE':>7} {'ranges':>10} "
+              f"{'TCP':>6} {'memcpy':>7} {'MC Store':>8} | {'get/raw':>7} {'get/flr':>7} {'flr/raw':>7} "
+              f"{'get/store':>9} {'get p50':>8}")
+        print(f"{'':>8} {'':>5} {'':>6} | {'GB/s':>10} {'GB/s':>6} {'GB/s':>7} {'GB/s':>10} {'GB/s':>6} {'GB/s':>7} "
+              f"{'GB/s':>8} | {'':>7} {'':>7} {'':>7} {'':>9} {'ms':>8}")
+    get, flr, raw, rng, tcp, mem, store = (c.get(f"{k}_GBps", float("nan")) for k in COLS)
+    ranges = f"({c['ranges']}) {rng:.2f}"
+    print(f"{c['block_bytes'] // 1024:>6}Ki {c['chain']:>5} {c['bytes'] / 2**20:>6.1f} | {get:>10.2f} {flr:>6.2f} "
+          f"{raw:>7.2f} {ranges:>10} {tcp:>6.2f} {mem:>7.2f} {store:>8.2f} | {get / raw:>7.0%} {get / flr:>7.0%} "
+          f"{flr / raw:>7.0%} {get / store:>9.0%} {c['kvpool_get_s'] * 1e3:>8.3f}", flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

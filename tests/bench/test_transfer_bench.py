@@ -1,6 +1,6 @@
 """`kvpool bench transfer` at toy size: every method of a cell is measured on the same bytes
-(ours, raw TE, TCP, memcpy, Mooncake Store), the report is complete, and --phases splits a
-one-block get into its phases beside a raw read of the same range."""
+(ours, the validated floor, raw TE, TCP, memcpy, Mooncake Store), the report is complete,
+and --phases splits a one-block get into its phases beside a raw read of the same range."""
 from __future__ import annotations
 
 import json
@@ -23,16 +23,16 @@ def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> No
     assert [(c["block_bytes"], c["chain"]) for c in rows] == [(65536, 1), (65536, 4), (262144, 1), (262144, 4)]
     for c in rows:
         assert c["bytes"] == c["block_bytes"] * c["chain"]
-        for name in ("kvpool_get", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store"):
+        for name in ("kvpool_get", "floor", "raw_te", "raw_te_ranges", "tcp", "memcpy", "mooncake_store"):
             assert c[f"{name}_s"] > 0 and c[f"{name}_GBps"] > 0, (name, c)
         assert c["ranges"] == 1  # a chain of 4 back-to-back blocks: one batch, one merged range
         if c["chain"] == 1:  # --phases: where a one-block get's time goes, beside a raw read
             p = c["phases_us"]
-            assert set(p["kvpool_get"]) == {"pre", "submit", "between", "transfer", "post", "total", "checksum"}
+            assert set(p["kvpool_get"]) == {"pre", "submit", "between", "transfer", "post", "total", "validate"}
             assert set(p["raw_te_async"]) == {"pre", "submit", "between", "transfer", "post", "total"}
             for name in ("kvpool_get", "raw_te_async"):
                 assert all(v >= 0 for v in p[name].values()) and p[name]["total"] >= p[name]["transfer"] > 0
-            assert 0 < p["kvpool_get"]["checksum"] <= p["kvpool_get"]["post"]
+            assert 0 < p["kvpool_get"]["validate"] <= p["kvpool_get"]["post"]
         else:
             assert "phases_us" not in c
 
