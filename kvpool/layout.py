@@ -64,7 +64,7 @@ def checksum(addr: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(view(addr, nbytes))
 
 
-def holds(header_addr: int, payload_addr: int, nbytes: int, block_hash: bytes, generation: int) -> bool:
+def valid_block(header_addr: int, payload_addr: int, nbytes: int, block_hash: bytes, generation: int) -> bool:
     """A slot header read to `header_addr` and its payload read to `payload_addr` are the block
     the index promised: magic, hash, generation and size match, and the payload's checksum
     matches the header's (a slot overwritten or evicted during the read fails one of them)."""

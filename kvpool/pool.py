@@ -27,7 +27,7 @@ import numpy as np
 from kvpool.config import PoolConfig
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, memcpy, slot_bytes_for, view
 from kvpool.publisher import Publisher
-from kvpool.reader import Peers, ReadHandle, ReadItem, Scratch
+from kvpool.reader import Peers, ReadContext, ReadHandle, Scratch
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
@@ -70,8 +70,7 @@ class NodePool:
         self.capacity_bytes = self._buf.nbytes
         self.te = TransferEngine(config.transfer)
         self.te.register(self.buffer_address, self.capacity_bytes)
-        self._scratch = Scratch(self.te, config.max_read_blocks)
-        self._peers = Peers(self.te, self._scratch)
+        scratch = Scratch(self.te, config.max_read_blocks)
         # Threads that wait (GIL released) for transfer batches to complete.
         self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
         self._lock = threading.Lock()
@@ -79,6 +78,8 @@ class NodePool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._lru: OrderedDict[BlockHash, _Slot] = OrderedDict()  # oldest first
         self.stats = PoolStats()
+        self._reads = ReadContext(self.te, self._completer, scratch, Peers(self.te, scratch), self.stats,
+                                  config.read_timeout_s)
         self.client = client
         self._publisher: Publisher | None = None
         self._session: NodeSession | None = None
@@ -260,33 +261,39 @@ class NodePool:
                 if not self.te.is_registered(dst - pre, n + pre):
                     raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
-        local: list[ReadItem] = []
-        remote: list[ReadItem] = []
-        for i, (loc, dst) in enumerate(zip(locations, dest_addrs)):
-            if loc.node_id == me:
-                local.append(ReadItem(i, loc, dst, n))
-            elif loc.node_id in nodes:
-                remote.append(ReadItem(i, loc, dst, n))
+        local: list[int] = []
+        remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
+        for i, loc in enumerate(locations):
+            node_id = loc.node_id
+            if node_id == me:
+                local.append(i)
+            elif node_id in nodes:
+                on_node = remote.get(node_id)
+                if on_node is None:
+                    remote[node_id] = [i]
+                else:
+                    on_node.append(i)
             else:
-                raise PoolError(f"block #{i} is on unknown node {loc.node_id!r}")
+                raise PoolError(f"block #{i} is on unknown node {node_id!r}")
             if loc.size_bytes != slot_bytes:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
-        local_ok = self._read_local(local) if local else set()
-        return ReadHandle(self.te, self._completer, self._scratch, self._peers, remote, nodes, local_ok,
-                          [it.index for it in local if it.index not in local_ok], self.config.read_timeout_s,
-                          self.stats, header_room, merge_ranges=one_region)
+        local_ok = self._read_local(locations, dest_addrs, local) if local else set()
+        return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
+                          local_ok, [i for i in local if i not in local_ok], header_room, merge_ranges=one_region)
 
-    def _read_local(self, items: list[ReadItem]) -> set[int]:
+    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[int], idx: list[int]) -> set[int]:
+        n = self.config.block_bytes
         ok = set()
         with self._lock:
-            for it in items:
-                slot = self._lru.get(it.location.block_hash)
-                if slot is None or slot.generation != it.location.generation:
+            for i in idx:
+                loc = locations[i]
+                slot = self._lru.get(loc.block_hash)
+                if slot is None or slot.generation != loc.generation:
                     continue
-                memcpy(it.dest_addr, self._slot_addr(slot) + HEADER_BYTES, it.nbytes)
-                self._lru.move_to_end(it.location.block_hash)
-                ok.add(it.index)
+                memcpy(dest_addrs[i], self._slot_addr(slot) + HEADER_BYTES, n)
+                self._lru.move_to_end(loc.block_hash)
+                ok.add(i)
         self.stats.local_hits += len(ok)
-        self.stats.bytes_read += len(ok) * self.config.block_bytes
-        self.stats.failed_reads += len(items) - len(ok)
+        self.stats.bytes_read += len(ok) * n
+        self.stats.failed_reads += len(idx) - len(ok)
         return ok

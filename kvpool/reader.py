@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, holds
+from kvpool.layout import HEADER_BYTES, valid_block
 from kvpool.transfer import TransferEngine, TransferError
-from metaserver.types import BlockLocation, NodeId, NodeRecord
+from metaserver.types import BlockLocation, NodeRecord
 
 if TYPE_CHECKING:
     from kvpool.pool import PoolStats
@@ -48,14 +48,6 @@ log = logging.getLogger(__name__)
 SPLIT = 4        # batches per source for a long chain (validation overlaps the transfer)
 MERGE_MAX_BYTES = 4 << 20  # merged ranges up to this size (see coalesce)
 MIN_BATCH = 4    # blocks per batch at least
-
-
-@dataclass(slots=True)
-class ReadItem:
-    index: int               # position in the caller's request
-    location: BlockLocation  # where the block is and which generation was promised
-    dest_addr: int           # where its payload goes
-    nbytes: int              # payload bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +171,21 @@ class Peers:
 
 
 @dataclass(slots=True)
+class ReadContext:
+    """What all reads of one node share."""
+    te: TransferEngine
+    completer: ThreadPoolExecutor  # threads that complete batches for callers that poll
+    scratch: Scratch               # registered memory for slot headers (reads without header room)
+    peers: Peers                   # the sources the engine has made contact with
+    stats: PoolStats
+    timeout_s: float               # a read not finished by then fails
+
+
+@dataclass(slots=True)
 class _Batch:
     session: str
-    items: list[ReadItem]
-    scratch: list[int]
+    idx: list[int]            # the request's block indices it reads
+    scratch: list[int]        # header scratch slots, one per block (reads without header room)
     posted: bool = False      # the read into the destinations was submitted (it may still land)
     batch_id: int = 0         # the transfer engine's, once posted
     completing: bool = False  # a thread (the completer or a waiting caller) completes it
@@ -193,65 +196,67 @@ class _Batch:
 
 
 class ReadHandle:
-    """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe."""
+    """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe.
 
-    def __init__(self, te: TransferEngine, completer: ThreadPoolExecutor, scratch: Scratch, peers: Peers,
-                 remote: list[ReadItem], nodes: dict[NodeId, NodeRecord], local_ok: set[int],
-                 local_failed: list[int], timeout_s: float, stats: PoolStats, header_room: bool = False,
-                 merge_ranges: bool = False) -> None:
-        self._te = te
+    Block i of the request is `locations[i]`, its payload (`nbytes`) read to `dests[i]`; the
+    handle keeps the caller's sequences, which must not change while the read is in flight.
+    `sources` lists, per source node, the indices to read from it; `local_ok` and
+    `local_failed` are indices this node's own pool has already served or could not."""
+
+    def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[int], nbytes: int,
+                 sources: list[tuple[NodeRecord, list[int]]], local_ok: set[int] | None = None,
+                 local_failed: Sequence[int] = (), header_room: bool = False, merge_ranges: bool = False) -> None:
+        self._ctx = ctx
+        self._locations = locations
+        self._dests = dests
+        self._nbytes = nbytes
         self._header_room = header_room
         self._merge_ranges = merge_ranges  # the destinations lie in one registered region
-        self._completer = completer
-        self._scratch = scratch
-        self._peers = peers
-        self._stats = stats
-        self._deadline = time.monotonic() + timeout_s
+        self._deadline = time.monotonic() + ctx.timeout_s
         # Reentrant: a handshake that is already done posts its batch inline, under the lock.
         self._lock = threading.RLock()
         self._finished: threading.Condition | None = None  # made by a caller that must block in wait()
-        self._ok = set(local_ok)
+        self._ok = set(local_ok or ())
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
         self.result: ReadResult | None = None
-        by_node: dict[NodeId, list[ReadItem]] = {}
-        for it in remote:
-            by_node.setdefault(it.location.node_id, []).append(it)
         with self._lock:
-            for node_id, items in by_node.items():
-                for part in batch_slices(len(items)):
-                    self._submit_batch(nodes[node_id], items[part])
+            for node, idx in sources:
+                for part in batch_slices(len(idx)):
+                    self._submit_batch(node, idx[part])
             if not self._batches:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
-    def _submit_batch(self, node: NodeRecord, items: list[ReadItem]) -> None:
-        base = node.buffer_address
+    def _submit_batch(self, node: NodeRecord, idx: list[int]) -> None:
+        base, dests, locations = node.buffer_address, self._dests, self._locations
         if self._header_room:
-            idx: list[int] = []
-            local = [it.dest_addr - HEADER_BYTES for it in items]
-            remote = [base + it.location.offset for it in items]
-            lengths = [HEADER_BYTES + it.nbytes for it in items]
+            taken: list[int] = []
+            local = [dests[i] - HEADER_BYTES for i in idx]
+            remote = [base + locations[i].offset for i in idx]
+            lengths = [HEADER_BYTES + self._nbytes] * len(idx)
             if self._merge_ranges:
                 local, remote, lengths = coalesce(local, remote, lengths)
         else:
-            taken = self._scratch.take(len(items))
-            if taken is None:
-                log.warning("read scratch exhausted; %d blocks from %s fail", len(items), node.node_id)
-                self._failed.update(it.index for it in items)
+            scratch = self._ctx.scratch
+            got = scratch.take(len(idx))
+            if got is None:
+                log.warning("read scratch exhausted; %d blocks from %s fail", len(idx), node.node_id)
+                self._failed.update(idx)
                 return
-            idx = taken
+            taken = got
             local, remote, lengths = [], [], []
-            for it, s in zip(items, idx):
-                slot_addr = base + it.location.offset
-                local += [self._scratch.slot_addr(s), it.dest_addr]
+            for i, s in zip(idx, taken):
+                slot_addr = base + locations[i].offset
+                local += [scratch.slot_addr(s), dests[i]]
                 remote += [slot_addr, slot_addr + HEADER_BYTES]
-                lengths += [HEADER_BYTES, it.nbytes]
-        batch = _Batch(node.session_address, items, idx, nbytes=sum(lengths))
+                lengths += [HEADER_BYTES, self._nbytes]
+        batch = _Batch(node.session_address, idx, taken, nbytes=sum(lengths))
         self._batches.append(batch)
-        if self._peers.known(node.session_address):
+        peers = self._ctx.peers
+        if peers.known(node.session_address):
             self._post(batch, local, remote, lengths, hand_off=False)
             return
-        contact = self._peers.contact(node.session_address, remote[0])
+        contact = peers.contact(node.session_address, remote[0])
         contact.add_done_callback(lambda f: self._after_contact(f, batch, local, remote, lengths))
 
     def _after_contact(self, contact: Future[None], batch: _Batch, local: list[int], remote: list[int],
@@ -268,7 +273,7 @@ class ReadHandle:
     def _post(self, batch: _Batch, local: list[int], remote: list[int], lengths: list[int],
               hand_off: bool = True) -> None:
         try:
-            batch.batch_id = self._te.submit_read(batch.session, local, remote, lengths)
+            batch.batch_id = self._ctx.te.submit_read(batch.session, local, remote, lengths)
         except TransferError as err:
             self._finish(batch, err)
             return
@@ -287,7 +292,7 @@ class ReadHandle:
         """One completion thread completes `batches` in order."""
         for b in batches:
             b.completing = True
-        self._completer.submit(self._complete_in_order, batches)
+        self._ctx.completer.submit(self._complete_in_order, batches)
 
     def _complete_in_order(self, batches: list[_Batch]) -> None:
         for b in batches:
@@ -295,7 +300,7 @@ class ReadHandle:
 
     def _complete(self, batch: _Batch) -> TransferError | None:
         try:
-            self._te.complete(batch.batch_id)
+            self._ctx.te.complete(batch.batch_id)
         except TransferError as err:
             return err
         return None
@@ -304,7 +309,7 @@ class ReadHandle:
         """Complete the posted batches no thread completes yet on this (waiting) thread, if the
         transfer engine gives up on each before the caller's deadline."""
         limit = self._deadline if end is None else min(self._deadline, end)
-        timeout_s = self._te.config.transfer_timeout_s
+        timeout_s = self._ctx.te.config.transfer_timeout_s
         with self._lock:
             mine = [b for b in self._batches if b.posted and not b.completing and not b.settled]
             # The engine's bound runs from the submit, which is past: from now it is an upper bound.
@@ -323,24 +328,25 @@ class ReadHandle:
     def _settle(self, batch: _Batch, ok: bool) -> None:
         """Validate a finished batch's blocks (or fail them all) and count them."""
         batch.settled = True
-        good, bad, stats = self._ok, self._failed, self._stats
+        good, bad, stats, scratch = self._ok, self._failed, self._ctx.stats, self._ctx.scratch
         if not ok:
-            bad.update(it.index for it in batch.items)
-            stats.failed_reads += len(batch.items)
+            bad.update(batch.idx)
+            stats.failed_reads += len(batch.idx)
         else:
-            headers = ([self._scratch.slot_addr(s) for s in batch.scratch] if batch.scratch
-                       else [it.dest_addr - HEADER_BYTES for it in batch.items])
-            for it, header in zip(batch.items, headers):
-                loc = it.location
-                if holds(header, it.dest_addr, it.nbytes, loc.block_hash, loc.generation):
-                    good.add(it.index)
+            dests, locations, n = self._dests, self._locations, self._nbytes
+            headers = ([scratch.slot_addr(s) for s in batch.scratch] if batch.scratch
+                       else [dests[i] - HEADER_BYTES for i in batch.idx])
+            for i, header in zip(batch.idx, headers):
+                loc = locations[i]
+                if valid_block(header, dests[i], n, loc.block_hash, loc.generation):
+                    good.add(i)
                     stats.remote_hits += 1
-                    stats.bytes_read += it.nbytes
+                    stats.bytes_read += n
                 else:
-                    bad.add(it.index)
+                    bad.add(i)
                     stats.failed_reads += 1
         if batch.scratch and (ok or not batch.posted):
-            self._scratch.give(batch.scratch)
+            scratch.give(batch.scratch)
         # A failed or timed-out posted batch may still land later: its scratch is not reused.
 
     def _poll(self, hand_off: bool = True) -> None:
@@ -359,7 +365,7 @@ class ReadHandle:
             if expired is None:
                 expired = time.monotonic() > self._deadline
             if expired:
-                log.warning("read of %d blocks from %s timed out", len(b.items), b.session)
+                log.warning("read of %d blocks from %s timed out", len(b.idx), b.session)
                 self._settle(b, False)
                 continue
             unsettled += 1
@@ -372,7 +378,7 @@ class ReadHandle:
 
     def _settle_finished(self, b: _Batch) -> None:
         if b.error is not None:
-            log.warning("read of %d blocks from %s failed: %s", len(b.items), b.session, b.error)
+            log.warning("read of %d blocks from %s failed: %s", len(b.idx), b.session, b.error)
         self._settle(b, b.error is None)
 
     def _set_result_if_settled(self) -> None:

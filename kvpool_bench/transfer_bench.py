@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
-from kvpool.layout import HEADER_BYTES, holds
+from kvpool.layout import HEADER_BYTES, valid_block
 from kvpool.reader import batch_slices, coalesce
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                         ids = [te.submit_read(node.session_address, *b) for b in batches]
                         for bid, blocks in zip(ids, checks):
                             te.complete(bid)
-                            if not all(holds(*blk) for blk in blocks):
+                            if not all(valid_block(*blk) for blk in blocks):
                                 raise RuntimeError("a block failed validation")
 
                     def raw_te() -> None:
@@ -254,7 +254,7 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
     import kvpool.reader as reader_mod
 
     te, marks, sums = reader.te, {}, []
-    submit, complete, validate = te.submit_read, te.complete, reader_mod.holds
+    submit, complete, validate = te.submit_read, te.complete, reader_mod.valid_block
 
     def timed_submit(*a: object) -> int:
         marks["s0"] = time.perf_counter()
@@ -277,7 +277,7 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
         te.complete(te.submit_read(session, [dest - HEADER_BYTES], [slot_addr], [HEADER_BYTES + size]))
 
     runs: dict[str, dict[str, list[float]]] = {"kvpool_get": {}, "raw_te_async": {}}
-    te.submit_read, te.complete, reader_mod.holds = timed_submit, timed_complete, timed_validate  # type: ignore[method-assign]
+    te.submit_read, te.complete, reader_mod.valid_block = timed_submit, timed_complete, timed_validate  # type: ignore[method-assign]
     try:
         for _ in range(rounds):
             for name, fn in (("kvpool_get", get), ("raw_te_async", raw)):
@@ -289,7 +289,7 @@ def phases(reader: NodePool, session: str, get: Callable[[], None], dest: int, s
                              ("post", t1 - marks["c1"]), ("total", t1 - t0)):
                     runs[name].setdefault(k, []).append(v)
     finally:
-        te.submit_read, te.complete, reader_mod.holds = submit, complete, validate  # type: ignore[method-assign]
+        te.submit_read, te.complete, reader_mod.valid_block = submit, complete, validate  # type: ignore[method-assign]
     out = {name: {k: statistics.median(v) * 1e6 for k, v in r.items()} for name, r in runs.items()}
     out["kvpool_get"]["validate"] = statistics.median(sums) * 1e6
     return out

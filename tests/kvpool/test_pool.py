@@ -249,8 +249,8 @@ def test_frozen_source_never_read_before_fails_on_time_and_nothing_lands_later(m
         # The first contact either waits out the freeze and succeeds after the thaw, or (when the
         # transport connected before the source stopped answering) fails on the progress timeout.
         # Either way the batches behind it are settled and must never be posted.
-        wait_for(lambda: not pool._peers.contacting(session), timeout_s=30)
-        contact = "made" if pool._peers.known(session) else "failed"
+        wait_for(lambda: not pool._reads.peers.contacting(session), timeout_s=30)
+        contact = "made" if pool._reads.peers.known(session) else "failed"
         time.sleep(0.5)
         assert not dest.any(), "the abandoned read was posted after the source thawed"
         res = pool.get(r.locations, r.nodes, addrs).wait(30)
@@ -350,7 +350,7 @@ def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thr
         handle = b.get(r.locations, r.nodes, addrs)
         assert wait_for(handle.done, timeout_s=30)           # polled: the completion thread
         assert handle.result is not None and len(handle.result.ok) == 6 and handoffs == [1]
-        assert [len(x.items) for x in handle._batches] == [4, 2]  # two batches, completed in order by one job
+        assert [len(x.idx) for x in handle._batches] == [4, 2]  # two batches, completed in order by one job
 
         res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 5 s bound: the thread
         assert len(res.ok) == 6 and handoffs == [1, 1]

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
 from kvpool.pool import PoolStats
-from kvpool.reader import Peers, ReadHandle, ReadItem, ReadResult, Scratch, coalesce
+from kvpool.reader import Peers, ReadContext, ReadHandle, ReadResult, Scratch, coalesce
 from kvpool.transfer import TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
 
@@ -51,11 +51,12 @@ def test_failed_first_contact_fails_its_reads_posts_nothing_and_the_next_read_tr
     peers = Peers(te, scratch)
     node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
     dest = np.zeros(8 * 64, dtype=np.uint8)
-    items = [ReadItem(i, BlockLocation(bytes([i]) * 16, NodeId("src"), i * 128, 64, 1), dest.ctypes.data + i * 64, 64)
-             for i in range(8)]
+    locs = [BlockLocation(bytes([i]) * 16, NodeId("src"), i * 128, 64, 1) for i in range(8)]
+    dests = [dest.ctypes.data + i * 64 for i in range(8)]
     stats = PoolStats()
     with ThreadPoolExecutor(1) as completer:
-        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, stats)
+        ctx = ReadContext(te, completer, scratch, peers, stats, 5)
+        handle = ReadHandle(ctx, locs, dests, 64, [(node, list(range(8)))])
         assert peers.contacting(SESSION) and not peers.known(SESSION)
         te.release.set()
         res = handle.wait(10)
@@ -65,7 +66,7 @@ def test_failed_first_contact_fails_its_reads_posts_nothing_and_the_next_read_tr
         assert stats.failed_reads == 8 and stats.remote_hits == 0
 
         te.contact_fails = False  # the source answers again: a new read makes contact anew
-        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, stats)
+        handle = ReadHandle(ctx, locs, dests, 64, [(node, list(range(8)))])
         handle.wait(10)
         assert te.contacts == 2 and peers.known(SESSION)
         assert len(te.submitted) == 2  # 8 blocks from one source: two batches of MIN_BATCH
@@ -103,30 +104,28 @@ def _landed_blocks(n: int, payload: int, stale: set[int]) -> tuple[np.ndarray, l
     return mem, blocks
 
 
-def _known_source(te: LandedEngine | None = None) -> tuple[LandedEngine, Scratch, Peers, NodeRecord]:
-    """A reader's engine, scratch and peers, and one source it has made contact with."""
-    te = te or LandedEngine()
+def _context(te: ScriptedEngine, completer: ThreadPoolExecutor, sessions: list[str], timeout_s: float = 5,
+             stats: PoolStats | None = None) -> ReadContext:
+    """A reader's context whose peers have made contact with `sessions`."""
     scratch = Scratch(te, 32)
     peers = Peers(te, scratch)
-    node = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
-    peers._known.add(SESSION)
-    return te, scratch, peers, node
+    peers._known.update(sessions)
+    return ReadContext(te, completer, scratch, peers, stats or PoolStats(), timeout_s)
+
+
+SOURCE = NodeRecord(NodeId("src"), SESSION, 1 << 20, 1 << 20, "ns", 1, 10)
 
 
 def test_blocks_from_two_sources_go_as_one_batch_each_and_are_validated_one_by_one() -> None:
     te = LandedEngine()
-    scratch = Scratch(te, 32)
-    peers = Peers(te, scratch)
-    nodes = {NodeId(f"n{k}"): NodeRecord(NodeId(f"n{k}"), f"127.0.0.1:{k + 1}", 1 << 20, 1 << 20, "ns", 1, 10)
-             for k in range(2)}
-    for node in nodes.values():
-        peers._known.add(node.session_address)
+    nodes = [NodeRecord(NodeId(f"n{k}"), f"127.0.0.1:{k + 1}", 1 << 20, 1 << 20, "ns", 1, 10) for k in range(2)]
     mem, blocks = _landed_blocks(6, 256, stale={3})
-    items = [ReadItem(i, BlockLocation(h, NodeId(f"n{i % 2}"), i * 512, HEADER_BYTES + 256, 5), dest, 256)
-             for i, (h, dest) in enumerate(blocks)]
+    locs = [BlockLocation(h, NodeId(f"n{i % 2}"), i * 512, HEADER_BYTES + 256, 5) for i, (h, _) in enumerate(blocks)]
     stats = PoolStats()
     with ThreadPoolExecutor(1) as completer:
-        res = ReadHandle(te, completer, scratch, peers, items, nodes, set(), [], 5, stats, header_room=True).wait(10)
+        ctx = _context(te, completer, [n.session_address for n in nodes], stats=stats)
+        res = ReadHandle(ctx, locs, [d for _, d in blocks], 256, [(nodes[0], [0, 2, 4]), (nodes[1], [1, 3, 5])],
+                         header_room=True).wait(10)
     assert sorted(te.sessions) == ["127.0.0.1:1", "127.0.0.1:2"]  # one batch per source
     assert sorted(len(local) for local in te.submitted) == [3, 3]
     assert res.ok == (0, 1, 2, 4, 5) and res.failed == (3,)  # the rewritten slot is not handed on
@@ -134,14 +133,12 @@ def test_blocks_from_two_sources_go_as_one_batch_each_and_are_validated_one_by_o
 
 
 def test_a_long_chain_from_one_source_is_split_into_batches_completed_in_order() -> None:
-    te, scratch, peers, node = _known_source()
+    te = LandedEngine()
     mem, blocks = _landed_blocks(9, 128, stale={8})
-    items = [ReadItem(i, BlockLocation(h, NodeId("src"), i * 256, HEADER_BYTES + 128, 5), dest, 128)
-             for i, (h, dest) in enumerate(blocks)]
+    locs = [BlockLocation(h, NodeId("src"), i * 256, HEADER_BYTES + 128, 5) for i, (h, _) in enumerate(blocks)]
     with ThreadPoolExecutor(1) as completer:
-        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
-                            header_room=True)
-        res = handle.wait(10)
+        ctx = _context(te, completer, [SESSION])
+        res = ReadHandle(ctx, locs, [d for _, d in blocks], 128, [(SOURCE, list(range(9)))], header_room=True).wait(10)
     assert [len(local) for local in te.submitted] == [4, 4, 1]  # MIN_BATCH blocks at least per batch
     assert te.submitted[0][0] == blocks[0][1] - HEADER_BYTES  # header room: one range per block
     assert res.ok == tuple(range(8)) and res.failed == (8,)
@@ -159,18 +156,20 @@ def test_coalesce_merges_ranges_that_continue_on_both_sides_only() -> None:
 
 
 def test_a_chain_back_to_back_on_both_sides_goes_as_one_range_and_a_rewritten_block_in_it_still_fails() -> None:
-    te, scratch, peers, node = _known_source()
+    te = LandedEngine()
     slot = HEADER_BYTES + 128
     mem, blocks = _landed_blocks(4, 128, stale={2})  # destinations in slot strides: back to back
-    items = [ReadItem(i, BlockLocation(h, NodeId("src"), (7 + i) * slot, slot, 5), dest, 128)
-             for i, (h, dest) in enumerate(blocks)]  # source slots 7..10: back to back too
+    locs = [BlockLocation(h, NodeId("src"), (7 + i) * slot, slot, 5)
+            for i, (h, _) in enumerate(blocks)]  # source slots 7..10: back to back too
+    dests = [d for _, d in blocks]
     with ThreadPoolExecutor(1) as completer:
-        res = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
-                         header_room=True, merge_ranges=True).wait(10)
+        ctx = _context(te, completer, [SESSION])
+        res = ReadHandle(ctx, locs, dests, 128, [(SOURCE, [0, 1, 2, 3])], header_room=True,
+                         merge_ranges=True).wait(10)
         assert te.submitted == [[blocks[0][1] - HEADER_BYTES]]  # one range for the four blocks
         assert res.ok == (0, 1, 3) and res.failed == (2,)
         te.submitted.clear()
-        ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 5, PoolStats(),
+        ReadHandle(ctx, locs, dests, 128, [(SOURCE, [0, 1, 2, 3])],
                    header_room=True).wait(10)  # destinations not known to be in one region: no merging
         assert len(te.submitted[0]) == 4
 
@@ -192,14 +191,12 @@ def test_a_second_waiter_wakes_when_the_first_completes_the_read_inline() -> Non
     """Two threads wait on one handle: the first spins on the batch itself; the second must be
     woken when it is done, not sleep until the read's deadline."""
     te = HeldEngine()
-    _, scratch, peers, node = _known_source(te)
     mem, blocks = _landed_blocks(2, 128, stale=set())
-    items = [ReadItem(i, BlockLocation(h, NodeId("src"), i * 1024, HEADER_BYTES + 128, 5), dest, 128)
-             for i, (h, dest) in enumerate(blocks)]
+    locs = [BlockLocation(h, NodeId("src"), i * 1024, HEADER_BYTES + 128, 5) for i, (h, _) in enumerate(blocks)]
     results: dict[str, object] = {}
     with ThreadPoolExecutor(1) as completer:
-        handle = ReadHandle(te, completer, scratch, peers, items, {NodeId("src"): node}, set(), [], 600, PoolStats(),
-                            header_room=True)
+        handle = ReadHandle(_context(te, completer, [SESSION], timeout_s=600), locs, [d for _, d in blocks], 128,
+                            [(SOURCE, [0, 1])], header_room=True)
         first = threading.Thread(target=lambda: results.setdefault("first", handle.wait()))
         first.start()
         assert te.completing.wait(10)  # the first waiter is inside complete()
