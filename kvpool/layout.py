@@ -70,7 +70,7 @@ def valid_block(header_addr: int, payload_addr: int, nbytes: int, block_hash: by
     matches the header's (a slot overwritten or evicted during the read fails one of them)."""
     magic, _version, _flags, gen, size, digest, h = HEADER.unpack(ctypes.string_at(header_addr, HEADER_BYTES))
     return (magic == MAGIC and h == block_hash and gen == generation and size == nbytes
-            and xxhash.xxh3_64_intdigest(view(payload_addr, nbytes)) == digest)
+            and checksum(payload_addr, nbytes) == digest)
 
 
 def memcpy(dst: int, src: int, nbytes: int) -> None:

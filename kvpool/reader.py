@@ -90,6 +90,26 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     return out_l, out_r, out_n
 
 
+def batch_ranges(dests: list[int], slots: list[int], nbytes: int, headers: list[int] | None = None,
+                 merge: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """The (local, remote, length) ranges one batch posts to read the blocks in source slots
+    `slots` (each a header, then `nbytes` of payload) to payload destinations `dests`.
+    Without `headers` the caller left header room before each destination: one range per
+    block, header and payload together, and with `merge` (all destinations in one registered
+    region) back-to-back blocks as one range (`coalesce`). With `headers` (where each
+    block's header goes) two ranges per block."""
+    if headers is None:
+        local = [d - HEADER_BYTES for d in dests]
+        lengths = [HEADER_BYTES + nbytes] * len(dests)
+        return coalesce(local, slots, lengths) if merge else (local, slots, lengths)
+    local, remote, lengths = [], [], []
+    for header, dest, slot in zip(headers, dests, slots):
+        local += [header, dest]
+        remote += [slot, slot + HEADER_BYTES]
+        lengths += [HEADER_BYTES, nbytes]
+    return local, remote, lengths
+
+
 class Scratch:
     """Registered memory for slot headers of in-flight reads, handed out in index sets."""
 
@@ -228,15 +248,9 @@ class ReadHandle:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
     def _submit_batch(self, node: NodeRecord, idx: list[int]) -> None:
-        base, dests, locations = node.buffer_address, self._dests, self._locations
-        if self._header_room:
-            taken: list[int] = []
-            local = [dests[i] - HEADER_BYTES for i in idx]
-            remote = [base + locations[i].offset for i in idx]
-            lengths = [HEADER_BYTES + self._nbytes] * len(idx)
-            if self._merge_ranges:
-                local, remote, lengths = coalesce(local, remote, lengths)
-        else:
+        headers = None
+        taken: list[int] = []
+        if not self._header_room:
             scratch = self._ctx.scratch
             got = scratch.take(len(idx))
             if got is None:
@@ -244,12 +258,10 @@ class ReadHandle:
                 self._failed.update(idx)
                 return
             taken = got
-            local, remote, lengths = [], [], []
-            for i, s in zip(idx, taken):
-                slot_addr = base + locations[i].offset
-                local += [scratch.slot_addr(s), dests[i]]
-                remote += [slot_addr, slot_addr + HEADER_BYTES]
-                lengths += [HEADER_BYTES, self._nbytes]
+            headers = [scratch.slot_addr(s) for s in taken]
+        base, dests, locations = node.buffer_address, self._dests, self._locations
+        local, remote, lengths = batch_ranges([dests[i] for i in idx], [base + locations[i].offset for i in idx],
+                                              self._nbytes, headers, self._merge_ranges)
         batch = _Batch(node.session_address, idx, taken, nbytes=sum(lengths))
         self._batches.append(batch)
         peers = self._ctx.peers

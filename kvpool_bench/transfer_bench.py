@@ -36,7 +36,7 @@ import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
 from kvpool.layout import HEADER_BYTES, valid_block
-from kvpool.reader import batch_slices, coalesce
+from kvpool.reader import batch_ranges, batch_slices
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
 from metaserver.client import MetaClient
@@ -174,14 +174,13 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in order]
                     locs = q.locations[FIRST:FIRST + chain]
                     slots = [node.buffer_address + loc.offset for loc in locs]
-                    parts = batch_slices(chain)  # the get's batches
-                    if args.split_header:  # what a get without header room posts: two ranges per block
-                        batches = [([d - HEADER_BYTES for d in dests[p]] + dests[p],
-                                    slots[p] + [a + HEADER_BYTES for a in slots[p]],
-                                    [HEADER_BYTES] * len(slots[p]) + [size] * len(slots[p])) for p in parts]
-                    else:  # each batch's back-to-back blocks merged
-                        batches = [coalesce([d - HEADER_BYTES for d in dests[p]], slots[p],
-                                            [HEADER_BYTES + size] * len(slots[p])) for p in parts]
+                    # The get's batches and the ranges each posts (`dest` is one registered region,
+                    # so back-to-back blocks merge; with --split-header each header still lands just
+                    # before its destination, but as a range of its own).
+                    parts = batch_slices(chain)
+                    headers = [d - HEADER_BYTES for d in dests] if args.split_header else None
+                    batches = [batch_ranges(dests[p], slots[p], size, None if headers is None else headers[p],
+                                            merge=True) for p in parts]
                     runs = tuple([x for b in batches for x in b[i]] for i in range(3))
                     checks = [[(d - HEADER_BYTES, d, size, loc.block_hash, loc.generation)
                                for d, loc in zip(dests[p], locs[p])] for p in parts]
