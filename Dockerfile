@@ -34,7 +34,9 @@ COPY kvpool/ kvpool/
 COPY metaserver/ metaserver/
 COPY connector/ connector/
 COPY engine/ engine/
+COPY kvpool_harness/ kvpool_harness/
 COPY kvpool_bench/ kvpool_bench/
+COPY kvpool_cli/ kvpool_cli/
 # Regenerate the protobuf package with the pinned generator (as bootstrap does), then install.
 RUN pip install -c constraints.txt grpcio-tools \
     && python scripts/gen_proto.py \

@@ -1,8 +1,9 @@
 """engine: a vLLM-v1-style inference engine (paged KV cache, prefix caching, continuous
-batching, chunked prefill) that the KV connector plugs into.
+batching, chunked prefill) that a KV connector plugs into through the contract in
+`engine.kv_connector`. It imports no pool, metaserver or connector implementation.
 
-The public names load on first use, so `import engine.cli` (the `kvpool` parser) does not
-import torch."""
+The public names load on first use, so `kvpool_cli.serve` (the `kvpool serve` parser) does
+not import torch."""
 from __future__ import annotations
 
 import importlib

@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
+from typing import NewType
 
-from metaserver.types import BlockHash
+# 32-byte chained SHA-256 of a full block's tokens; the engine's own type (a connector maps it
+# to its index's key type), so that a raw `bytes` is never taken for a hash by mistake.
+BlockHash = NewType("BlockHash", bytes)
 
 
 def chain_seed(fingerprint: str, cache_salt: str | None) -> bytes:
@@ -100,7 +103,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
-        self.evicted_hashes: list[BlockHash] = []  # drained by whoever tracks evictions
         self.hits = 0      # prefix-cache lookups that matched, in tokens (set by the manager)
         self.queries = 0   # tokens looked up
 
@@ -135,7 +137,6 @@ class BlockPool:
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
-                    self.evicted_hashes.append(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from connector.config import KVTransferConfig
+    from engine.kv_connector.config import KVTransferConfig
 
 DTYPES = ("float32", "bfloat16")
 

@@ -2,9 +2,12 @@
 
 One block = all layers' K and V for `block_size` tokens, contiguous:
     payload[layer][k=0|v=1][token][kv_head][head_dim]
-Blocks sit in slot strides: each payload is preceded by HEADER_BYTES of room, so a block
-read from the pool (header + payload as one transfer) lands in place and the header is
-checked where it landed. The whole cache is one uint8 buffer the pool can register.
+Blocks sit in slot strides: each payload is preceded by `header_bytes` of room that the KV
+connector declares (`KVConnectorBase_V1.cache_header_bytes`; 0 without one), so a block read
+from a pool that stores a header before each payload lands in place with one transfer and
+its header is checked where it landed. Slots are 64-byte aligned (a cache line), the
+alignment a pool's slots use too, so runs of cache blocks and runs of pool slots have the
+same stride. The whole cache is one uint8 buffer a connector can register.
 """
 from __future__ import annotations
 
@@ -12,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.layout import HEADER_BYTES, slot_bytes_for
+SLOT_ALIGN = 64
+
+
+def slot_bytes_for(block_bytes: int, header_bytes: int) -> int:
+    """Stride of one cache block: header room + payload, rounded up to SLOT_ALIGN."""
+    return (header_bytes + block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
 @dataclass(frozen=True)
@@ -31,20 +39,19 @@ class CacheLayout:
 
 
 class PagedKVCache:
-    def __init__(self, layout: CacheLayout, num_blocks: int) -> None:
+    def __init__(self, layout: CacheLayout, num_blocks: int, header_bytes: int = 0) -> None:
+        if header_bytes < 0 or header_bytes % SLOT_ALIGN:
+            raise ValueError(f"header_bytes must be a non-negative multiple of {SLOT_ALIGN}, got {header_bytes}")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.slot_bytes = slot_bytes_for(layout.block_bytes)
+        self.header_bytes = header_bytes
+        self.slot_bytes = slot_bytes_for(layout.block_bytes, header_bytes)
         self.raw = torch.zeros(num_blocks, self.slot_bytes, dtype=torch.uint8)
-        payload = self.raw[:, HEADER_BYTES:HEADER_BYTES + layout.block_bytes].view(layout.dtype)
+        payload = self.raw[:, header_bytes:header_bytes + layout.block_bytes].view(layout.dtype)
         # [block, layer, k/v, token, kv_head, head_dim]
         self.blocks = payload.view(num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
                                    layout.head_dim)
         self._workspace: torch.Tensor | None = None  # gather_blocks' output, reused across calls
-
-    @property
-    def base_address(self) -> int:
-        return self.raw.data_ptr()
 
     @property
     def nbytes(self) -> int:

@@ -4,9 +4,8 @@ Where it sits: scheduler -> KVCacheManager -> BlockPool. Not thread-safe.
 """
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVBlock, chain_seed, hash_blocks
+from engine.block_pool import BlockHash, BlockPool, KVBlock, chain_seed, hash_blocks
 from engine.request import Request
-from metaserver.types import BlockHash
 
 
 class KVCacheManager:

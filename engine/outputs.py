@@ -45,6 +45,11 @@ def check_stop(req: Request, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...
     return None
 
 
+def stop_at_max_tokens(req: Request) -> RequestStatus | None:
+    """The stop check without a tokenizer: only `max_tokens` (for a scheduler on its own)."""
+    return RequestStatus.FINISHED_LENGTH if len(req.output_token_ids) >= req.sampling_params.max_tokens else None
+
+
 def make_output(req: Request) -> RequestOutput:
     finished = req.is_finished
     return RequestOutput(

@@ -1,5 +1,12 @@
-"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens."""
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It also drives the worker side of the KV connector around the forward pass, as vLLM's
+model runner does: bind the step's metadata and start its loads before, hand newly full
+blocks to the saver after, and collect what finished into the `ModelRunnerOutput`.
+"""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -9,15 +16,21 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaModel
 from engine.request import Request
 from engine.sampler import Sampler
-from engine.scheduler.output import SchedulerOutput
+from engine.step import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.kv_connector.base import KVConnectorBase_V1
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, sampler: Sampler) -> None:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, sampler: Sampler,
+                 connector: KVConnectorBase_V1 | None = None) -> None:
+        """`connector` is the worker side of the KV connector (None: no connector)."""
         self.model = model
         self.cache = cache
         self.kv = kv
         self.sampler = sampler
+        self.connector = connector
         self.block_size = cache.layout.block_size
         self.device = model.device
 
@@ -47,11 +60,35 @@ class ModelRunner:
                                  pos_t % bs)
         return torch.tensor(ids, dtype=torch.long, device=self.device), pos_t, meta, logits_idx, samplers
 
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run the step; returns the sampled token (and logprobs) of each request that samples."""
-        if not out.scheduled:
-            return {}
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step: the connector's loads start, the batch (if any) is computed and
+        sampled, its new full blocks are handed to the connector's saver, and what the
+        connector finished is reported."""
+        for rid in out.finished_req_ids:
+            self.sampler.forget(rid)
+        c = self.connector
+        if c is not None:
+            c.bind_connector_metadata(out.kv_connector_metadata)
+            c.start_load_kv(None)
+        result = ModelRunnerOutput(self._forward(out) if out.scheduled else {})
+        if c is not None:
+            if out.scheduled:
+                c.wait_for_save()
+            if out.loads_to_wait:
+                c.wait_for_loads(out.loads_to_wait, out.load_wait_s)
+            result.kv_connector_output = self._connector_report(c, out.finished_req_ids)
+        return result
+
+    def _forward(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """The sampled token (and logprobs) of each scheduled request that samples."""
         ids, pos, meta, logits_idx, reqs = self.prepare(out)
         logits_at = torch.tensor(logits_idx, dtype=torch.long, device=self.device)  # may be empty: no one samples
         logits = self.model.forward(ids, pos, self.cache, meta, logits_at)
         return {r.request_id: s for r, s in zip(reqs, self.sampler.sample(logits.cpu(), reqs))}
+
+    @staticmethod
+    def _connector_report(c: KVConnectorBase_V1, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
+        sending, recving = c.get_finished(set(finished_req_ids))
+        report = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors())
+        c.clear_connector_metadata()
+        return report

@@ -18,7 +18,7 @@ import logging
 import mmap
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ from kvpool.config import PoolConfig
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, memcpy, slot_bytes_for, view
 from kvpool.publisher import Publisher
 from kvpool.reader import Peers, ReadContext, ReadHandle, Scratch
+from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
@@ -38,18 +39,6 @@ log = logging.getLogger(__name__)
 
 class PoolError(Exception):
     """Bad use of the pool (sizes, unregistered memory, unknown nodes)."""
-
-
-@dataclass
-class PoolStats:
-    puts: int = 0             # blocks written into slots
-    evictions: int = 0        # slots freed by LRU
-    local_hits: int = 0       # blocks read from this node's own pool
-    remote_hits: int = 0      # blocks read from other nodes and validated
-    failed_reads: int = 0     # blocks whose read failed or did not validate
-    bytes_read: int = 0       # payload bytes delivered by get()
-    published: int = 0        # records acknowledged by the metaserver
-    unpublished: int = 0
 
 
 @dataclass(slots=True)
@@ -163,11 +152,6 @@ class NodePool:
         with self._lock:
             return len(self._lru)
 
-    def lru_order(self) -> list[BlockHash]:
-        """Held blocks, least recently used first."""
-        with self._lock:
-            return list(self._lru)
-
     def _evict(self) -> None:
         """Free up to evict_batch LRU slots; unpublish them before they can be reused."""
         victims = []
@@ -218,25 +202,11 @@ class NodePool:
             self._publisher.enqueue(record)
         return True
 
-    def put_bytes(self, block_hash: bytes, data: bytes | bytearray | memoryview | np.ndarray) -> bool:
-        arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-        return self.put(block_hash, arr.ctypes.data, arr.nbytes)
-
-    def overwrite_for_test(self, block_hash: bytes, data: bytes) -> None:
-        """Rewrite the slot holding `block_hash` in place with a new generation (the eviction
-        race a remote reader must detect). Exposed for tests and fault drills."""
-        with self._lock:
-            slot = self._lru[BlockHash(block_hash)]
-            slot.generation += 1
-            base = self._slot_addr(slot)
-            view(base + HEADER_BYTES, len(data))[:] = data
-            view(base, HEADER_BYTES)[:] = SlotHeader(MAGIC, slot.generation, len(data),
-                                                     checksum(base + HEADER_BYTES, len(data)), slot.block_hash).pack()
-
     # ---- reads ----------------------------------------------------------------------
 
     def get(self, locations: Sequence[BlockLocation], nodes: dict[NodeId, NodeRecord],
-            dest_addrs: Sequence[int], header_room: bool = False) -> ReadHandle:
+            dest_addrs: Sequence[int], header_room: bool = False,
+            on_progress: Callable[[], None] | None = None) -> ReadHandle:
         """Read each located block's payload to its destination; returns a pollable handle.
 
         Blocks in this node's pool are copied at once; the rest are read with one transfer
@@ -245,8 +215,10 @@ class NodePool:
         the caller's scratch (a cache laid out in slot strides): each block is then read as
         one contiguous range, header and payload together, and blocks that sit back to back
         on both sides as one range; otherwise the header goes to a separate scratch area (two
-        ranges per block). Raises PoolError for bad arguments;
-        read failures are reported by the handle as failed block indices.
+        ranges per block). `on_progress` is called (on any thread) whenever a transfer batch
+        of the read finishes, so a caller can wait on an event instead of polling; `done()`
+        then settles the read. Raises PoolError for bad arguments; read failures are reported
+        by the handle as failed block indices.
         """
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
@@ -279,7 +251,8 @@ class NodePool:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
         local_ok = self._read_local(locations, dest_addrs, local) if local else set()
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
-                          local_ok, [i for i in local if i not in local_ok], header_room, merge_ranges=one_region)
+                          local_ok, [i for i in local if i not in local_ok], header_room, merge_ranges=one_region,
+                          on_progress=on_progress)
 
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[int], idx: list[int]) -> set[int]:
         n = self.config.block_bytes

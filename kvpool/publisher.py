@@ -12,15 +12,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kvpool.config import PoolConfig
+from kvpool.stats import PoolStats
 from metaserver.client import MetaClient
 from metaserver.errors import MetaError
 from metaserver.types import BlockRecord
-
-if TYPE_CHECKING:
-    from kvpool.pool import PoolStats
 
 log = logging.getLogger(__name__)
 

@@ -29,19 +29,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpool.layout import HEADER_BYTES, valid_block
+from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeRecord
-
-if TYPE_CHECKING:
-    from kvpool.pool import PoolStats
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +146,6 @@ class Peers:
     def known(self, session: str) -> bool:
         return session in self._known
 
-    def contacting(self, session: str) -> bool:
-        """A first contact with `session` is under way (neither made nor failed yet)."""
-        return session in self._pending
-
     def contact(self, session: str, remote_addr: int) -> Future[None]:
         """Read the HEADER_BYTES at `remote_addr` of `session` (a slot header) into scratch on a
         daemon thread; the future fails with TransferError if the read did."""
@@ -225,13 +218,15 @@ class ReadHandle:
 
     def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[int], nbytes: int,
                  sources: list[tuple[NodeRecord, list[int]]], local_ok: set[int] | None = None,
-                 local_failed: Sequence[int] = (), header_room: bool = False, merge_ranges: bool = False) -> None:
+                 local_failed: Sequence[int] = (), header_room: bool = False, merge_ranges: bool = False,
+                 on_progress: Callable[[], None] | None = None) -> None:
         self._ctx = ctx
         self._locations = locations
         self._dests = dests
         self._nbytes = nbytes
         self._header_room = header_room
         self._merge_ranges = merge_ranges  # the destinations lie in one registered region
+        self._on_progress = on_progress    # called when a batch finishes (the caller's wake-up)
         self._deadline = time.monotonic() + ctx.timeout_s
         # Reentrant: a handshake that is already done posts its batch inline, under the lock.
         self._lock = threading.RLock()
@@ -299,6 +294,8 @@ class ReadHandle:
             batch.finished = True
             if self._finished is not None:
                 self._finished.notify_all()
+        if self._on_progress is not None:
+            self._on_progress()
 
     def _hand_off(self, batches: list[_Batch]) -> None:
         """One completion thread completes `batches` in order."""

@@ -41,7 +41,7 @@ def _ttft(node, prompt: list[int], expect_remote: int | None = None) -> float:  
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvpool.cluster import ClusterSpec, LocalCluster
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster
 
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(0)

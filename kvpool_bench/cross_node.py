@@ -1,6 +1,6 @@
 """`kvpool bench cross-node`: how much prefill the pool saves across nodes, and what that
 does to latency. One invocation runs the same workload twice on a fresh local cluster
-(`kvpool.cluster`): with the pool (every node `--kv-connector mooncake`) and without it
+(`kvpool_harness.cluster`): with the pool (every node `--kv-connector mooncake`) and without it
 (local prefix caches only), and compares both with the oracle (`kvpool_bench.workloads`).
 
 Requests are streamed (`stream_options.include_usage`): TTFT is the time to the first
@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from engine.cli import read_api_key
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace,
                                     multi_turn, prefix_oracle)
+from kvpool_harness.engine_node import read_api_key
 
 BLOCK_SIZE = 16
 VOCAB_WARM = 1000  # the token of the warm-up prompts
@@ -242,7 +242,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
 
 
 def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
-    from kvpool.cluster import ClusterSpec, LocalCluster
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster
 
     name = "pool-on" if pool_on else "pool-off"
     if args.urls:  # nodes that are already running (their caches may be warm)
@@ -257,7 +257,7 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
 
 def pool_bytes_read(urls: list[str]) -> int:
     """Bytes the nodes' pools have delivered so far (their /stats)."""
-    from kvpool.launch import http_json
+    from kvpool_harness.engine_node import http_json
 
     total = 0
     for u in urls:

@@ -32,9 +32,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool_bench.report import pct, write_report
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
-from metaserver.launch import EtcdProcess, MetaserverProcess
 
 CHAIN = 64
 NS = "bench-ns"

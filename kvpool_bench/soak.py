@@ -236,7 +236,7 @@ def print_summary(s: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvpool.cluster import ClusterSpec, LocalCluster
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster
 
     if args.duration <= 0 or args.rate_factor <= 0 or args.rate < 0 or args.max_pending_requests < 1:
         print("kvpool bench soak: error: --duration, --rate-factor and --max-pending-requests must be positive",

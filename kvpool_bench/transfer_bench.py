@@ -39,8 +39,8 @@ from kvpool.layout import HEADER_BYTES, valid_block
 from kvpool.reader import batch_ranges, batch_slices
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess, free_port
 from metaserver.client import MetaClient
-from metaserver.launch import EtcdProcess, MetaserverProcess, free_port
 
 # Chains start at this block: slot 0 of a pool (and of the destination) is page-aligned, and
 # the kernel's loopback copy from or to a page-aligned address is up to ~25% slower here

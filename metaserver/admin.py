@@ -7,6 +7,10 @@ reachable, 4 aborted at the confirmation prompt. Errors are one line on stderr.
 A secured metaserver: `--tls-ca` (and `--tls-cert/--tls-key` for mutual TLS); the token
 from `--token-file`, else from the environment variable KVPOOL_ADMIN_TOKEN. The token is
 never printed.
+
+The connection and output options (`--metaserver`, `--json`, `--timeout`, TLS, token) go
+before or after the command: `kvpool admin --metaserver X --json stats` and `kvpool admin
+--metaserver X stats --json` are the same.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
+from metaserver.cli import accept_after_subcommands
 from metaserver.client import MetaClient
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, Unavailable
@@ -26,6 +31,9 @@ TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 
 EXIT_SERVER, EXIT_ARGS, EXIT_UNREACHABLE, EXIT_ABORTED = 1, 2, 3, 4
 
+# The options of `kvpool admin` that its commands accept too (before or after the command).
+GROUP_OPTIONS = ("metaserver", "json", "timeout", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file")
+
 
 class ArgError(Exception):
     pass
@@ -33,7 +41,8 @@ class ArgError(Exception):
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("admin", help="inspect and change the metadata service")
-    p.add_argument("--metaserver", required=True, help="HOST:PORT[,HOST:PORT] of metaserver replicas")
+    # Not required=True: it may also follow the command (checked in main).
+    p.add_argument("--metaserver", default="", help="HOST:PORT[,HOST:PORT] of metaserver replicas (required)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=5.0, help="deadline of each call in seconds")
     p.add_argument("--tls-ca", default="", help="PEM CA that signed the metaserver's certificate (turns on TLS)")
@@ -62,6 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     inv.add_argument("--yes", action="store_true", help="do not ask before --all")
     dr = cmds.add_parser("drain", help="stop using a node as a source and refuse its publishes")
     dr.add_argument("node")
+    accept_after_subcommands(p, *GROUP_OPTIONS)
 
 
 def _hashes(values: Sequence[str]) -> list[bytes]:
@@ -168,6 +178,9 @@ def _confirm(question: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.metaserver:
+        print("kvpool admin: error: the following arguments are required: --metaserver", file=sys.stderr)
+        return EXIT_ARGS
     try:
         with MetaClient(args.metaserver, timeout_s=args.timeout, security=_security(args)) as client:
             data, text = _run(args, client)

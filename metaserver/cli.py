@@ -1,21 +1,79 @@
 """`kvpool metaserver`: run one metadata server replica (its flags and `main`).
 
 Also runnable alone as `python -m metaserver [--log-level L] metaserver ...` (see
-`metaserver.__main__`), which `metaserver.launch` uses: it starts without loading the rest
-of kvpool. Like every CLI layer, this one reads the environment: KVPOOL_ADMIN_TOKEN and
-KVPOOL_NODE_TOKEN when no token file is given.
+`metaserver.__main__`), which `kvpool_harness.processes.MetaserverProcess` uses: it starts
+without loading the rest of kvpool. Like every CLI layer, this one reads the environment:
+KVPOOL_ADMIN_TOKEN and KVPOOL_NODE_TOKEN when no token file is given.
+
+`accept_after_subcommands` (shared by `kvpool admin`, `python -m metaserver` and the
+`kvpool` parser) lets a command group's options follow its subcommands too.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from metaserver.credentials import read_secret_file
 
 ADMIN_TOKEN_ENV = "KVPOOL_ADMIN_TOKEN"
 NODE_TOKEN_ENV = "KVPOOL_NODE_TOKEN"
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """The entry points' `--log-level`, accepted before or after the command (call after the
+    subcommands are added)."""
+    parser.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"),
+                        help="logging level, before or after the command (default: $KVPOOL_LOG_LEVEL or INFO)")
+    accept_after_subcommands(parser, "log_level")
+
+
+def configure_logging(level: str) -> None:
+    """Process-wide logging for an entry point's `main()` (never at import)."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def accept_after_subcommands(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Let the options `dests` of `parser` also be given after its subcommands, at any depth
+    (`kvpool admin --metaserver X stats --json` as well as `... --json stats`), as etcdctl,
+    kubectl and helm accept their global flags anywhere. Call it once the subcommands exist.
+
+    Each subcommand parser gets a copy of the option with default SUPPRESS: argparse copies
+    a subcommand's parsed values over its parent's, so the copy sets the value only when it
+    is given after the subcommand, and otherwise leaves the one parsed (or defaulted) before
+    it. Given both before and after, the later one wins. A subcommand that already has an
+    option of the same name keeps its own. The copies are never required: check a required
+    option after parsing (see `metaserver.admin.main`)."""
+    shared = [a for a in parser._actions if a.dest in dests and a.option_strings]
+    missing = set(dests) - {a.dest for a in shared}
+    if missing:
+        raise ValueError(f"no option with dest {sorted(missing)} in {parser.prog}")
+    for child in _subcommand_parsers(parser):
+        for action in shared:
+            if any(s in child._option_string_actions for s in action.option_strings):
+                continue
+            twin = copy.copy(action)
+            twin.default = argparse.SUPPRESS
+            twin.required = False
+            if twin.help and "%(default)" in twin.help:
+                twin.help = twin.help.replace("%(default)s", str(action.default))
+            child._add_action(twin)
+
+
+def _subcommand_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every parser below `parser` (subcommands, their subcommands, ...), each once."""
+    seen: set[int] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if id(child) not in seen:  # aliases map several names to one parser
+                    seen.add(id(child))
+                    yield child
+                    yield from _subcommand_parsers(child)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

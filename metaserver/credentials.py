@@ -1,9 +1,9 @@
 """Client-side credentials for a secured metaserver: TLS files and a bearer token.
 
 Where it sits: `MetaClient` (and through it `NodeSession`, the connector and `kvpool
-admin`) builds its channels and call metadata from a `ClientSecurity`; `metaserver.launch`
-uses one to poll a TLS server's health. The server side is `metaserver.server` (TLS) and
-`metaserver.auth` (tokens).
+admin`) builds its channels and call metadata from a `ClientSecurity`;
+`kvpool_harness.processes.wait_serving` uses one to poll a TLS server's health. The server
+side is `metaserver.server` (TLS) and `metaserver.auth` (tokens).
 """
 from __future__ import annotations
 

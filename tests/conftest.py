@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from metaserver.launch import EtcdProcess, MetaserverProcess
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.01) -> object:

@@ -1,4 +1,5 @@
-"""Resolve a model name or path and dispatch to the GGUF or safetensors loader."""
+"""What every loader shares: the loaded model's shape, the load error, and name resolution
+(packaged model names and paths)."""
 from __future__ import annotations
 
 import importlib.util
@@ -41,16 +42,3 @@ def resolve(model: str) -> Path:
         known = ", ".join(sorted(PACKAGED))
         raise ModelLoadError(f"model {model!r} not found: give a .gguf file, a safetensors folder, or one of: {known}")
     return path
-
-
-def load_model(model: str) -> LoadedModel:
-    path = resolve(model)
-    if path.is_file() and path.suffix == ".gguf":
-        from engine.loader.gguf_loader import load_gguf
-
-        return load_gguf(path)
-    if path.is_dir() and (path / "config.json").exists():
-        from engine.loader.safetensors_loader import load_safetensors
-
-        return load_safetensors(path)
-    raise ModelLoadError(f"unsupported model at {path}: expected a .gguf file or a folder with config.json")

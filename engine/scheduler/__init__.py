@@ -1,5 +1,7 @@
-"""Continuous-batching scheduler, split by phase (running, waiting, remote KV, finalize)."""
-from engine.scheduler.output import ScheduledSeq, SchedulerOutput
+"""Continuous-batching scheduler: the phases of a step in `scheduler` (load ahead, running,
+waiting, finalize) and the remote-KV phase (connector lookups and loads) in `remote_kv`. The
+messages it exchanges with the model runner are in `engine.step`."""
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from engine.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["ModelRunnerOutput", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

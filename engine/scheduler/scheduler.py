@@ -1,25 +1,21 @@
 """The scheduler: which requests run this step and with how many tokens.
 
 One step = `schedule()` -> model runner -> `update_from_output()`. Phases of `schedule()`:
+0. (with a KV connector and `kv_load_wait_s` > 0) load ahead: start the loads of the
+   waiting requests the next batch would admit; if any started, the step is only that
+   (nothing computed: the runner waits up to `kv_load_wait_s` on their completion), so a
+   load that lands at once lets its request join the very next batch (a pool read takes
+   milliseconds, a step of others' work often hundreds);
 1. running requests, decodes first, then prefill chunks of running requests;
    when blocks run out, the most recently admitted unscheduled request is preempted
    (its blocks freed, to be recomputed later);
 2. waiting requests in arrival order (preempted ones first): local prefix-cache hit,
-   then (with a KV connector) the external hit after it, then blocks for the rest,
-   chunked to the remaining token budget.
+   then (with a KV connector) the external hit after it (`remote_kv`), then blocks for
+   the rest, chunked to the remaining token budget.
 Budgets: `max_num_batched_tokens` tokens and `max_num_seqs` requests per step; with
 `long_prefill_token_threshold` > 0 (vLLM's knob) no request prefills more than that many
 tokens in one step, so a long prompt leaves room for the short ones that arrive beside it.
-
-With a KV connector (vLLM's scheduler-side `KVConnectorBase_V1`), a request whose prefix
-the connector can load gets blocks for those tokens and waits in WAITING_FOR_REMOTE_KVS
-(skipped, not blocking the queue) until the worker side reports the load finished. Then
-the loaded tokens count as computed, except from the first block that failed to load on
-(recomputed; or the request fails under the `fail` policy). A request still loading when
-it is aborted keeps its blocks until the load has finished, so no late write lands in a
-block another request owns. Loads cannot be preempted: they hold no running slot.
-`start_loads()`, called by the engine before `schedule()`, starts the loads of the waiting
-requests `schedule()` would admit next, so that a load reported at once joins this step.
+`update_from_output()` is the finalize phase: tokens appended, stop checked, outputs made.
 
 Not thread-safe: one engine loop owns it.
 """
@@ -28,17 +24,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import RequestOutput, make_output, stop_at_max_tokens
 from engine.request import Request, RequestStatus
-from engine.scheduler.output import ScheduledSeq, SchedulerOutput
+from engine.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.scheduler.remote_kv import LoadState, RemoteKV
 
 if TYPE_CHECKING:
-    from connector.base import KVConnectorBase_V1, KVConnectorOutput
+    from engine.kv_connector.base import KVConnectorBase_V1
 
 log = logging.getLogger(__name__)
+
+# With nothing to compute but loads in flight, a step waits this long at most for them: short,
+# so a request that arrives meanwhile waits little; the wait ends as soon as the loads land.
+IDLE_LOAD_WAIT_S = 0.005
+
+StopCheck = Callable[[Request], "RequestStatus | None"]
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,15 @@ class SchedulerConfig:
     kv_load_failure_policy: str = "recompute"   # or "fail"
     kv_load_timeout_s: float = 30.0             # a load not reported by then fails the request
     long_prefill_token_threshold: int = 0       # > 0: a request's prefill chunk per step is at most this
+    kv_load_wait_s: float = 0.0                 # > 0: load-ahead steps wait this long for their loads
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.kv_load_wait_s < 0:
+            raise ValueError("kv_load_wait_s must be >= 0")
 
     def chunk(self, num_new: int) -> int:
         """A prefill's tokens this step before the step's budget: capped at the long-prefill
@@ -64,23 +72,22 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 connector: KVConnectorBase_V1 | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnectorBase_V1 | None = None,
+                 stop: StopCheck = stop_at_max_tokens) -> None:
+        """`stop` decides after each sampled token whether the request ends (the engine's
+        checks eos, stop strings and the context length; the default only max_tokens)."""
         self.config = config
         self.kv = kv
-        self.connector = connector
+        self.stop = stop
+        self.remote = RemoteKV(connector, kv, config.kv_load_failure_policy, config.kv_load_timeout_s) \
+            if connector is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.loading: dict[str, float] = {}          # request id -> load start (WAITING_FOR_REMOTE_KVS)
-        self._finished_recving: set[str] = set()
-        self._invalid_block_ids: set[int] = set()
-        self.finished_outside_step: list[Request] = []  # ended between steps (load failures); drained by the engine
-        # counters, in tokens
-        self.prefill_tokens = 0          # prompt tokens computed by the model
-        self.remote_hit_tokens = 0       # prompt tokens loaded by the connector
-        self.failed_load_blocks = 0      # blocks whose load failed
+        self.prefill_tokens = 0                        # prompt tokens computed by the model (counter)
+        self._finished_ids: set[str] = set()           # ended since the last schedule(); told to the runner
+        self._finished_outside: list[Request] = []     # ended outside a batch (load failures); output next update
 
     # ---- queue management -----------------------------------------------------------
 
@@ -96,7 +103,7 @@ class Scheduler:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.num_loading or self._finished_outside)
 
     @property
     def num_waiting(self) -> int:
@@ -105,6 +112,19 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose connector load has started and not been taken up by a batch yet."""
+        return self.remote.num_loading if self.remote else 0
+
+    @property
+    def remote_hit_tokens(self) -> int:
+        return self.remote.remote_hit_tokens if self.remote else 0
+
+    @property
+    def failed_load_blocks(self) -> int:
+        return self.remote.failed_load_blocks if self.remote else 0
 
     # ---- phase 1: running -----------------------------------------------------------
 
@@ -152,29 +172,34 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         skipped: deque[Request] = deque()
+        remote = self.remote
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._load_finished(req):
+                assert remote is not None
+                state, why = remote.claim(req)
+                if state is LoadState.FAILED:
+                    self._fail(req, why)
+                if state is not LoadState.DONE:
                     if not req.is_finished:
                         skipped.append(req)
                     continue
             computed: list = []
             if self.kv.has_blocks(req):  # blocks loaded by the connector: only the rest is left
                 num_cached = req.num_computed_tokens
-            else:
+            elif remote is None:
                 computed, num_cached = self.kv.get_computed_blocks(req)
-                if self.connector is not None:
-                    num_external, _ = self.connector.get_num_new_matched_tokens(req, num_cached)
-                    if num_external is None:  # the connector asks to be asked again later
-                        skipped.append(req)
-                        continue
-                    if num_external > 0:
-                        if not self._start_load(req, computed, num_cached, num_external):
-                            self.waiting.appendleft(req)
-                            break
-                        skipped.append(req)
-                        continue
+            else:
+                computed, num_cached, num_external = remote.lookup(req, record=True)
+                if num_external is None:  # the connector asks to be asked again later
+                    skipped.append(req)
+                    continue
+                if num_external > 0:
+                    if not remote.start(req, computed, num_cached, num_external):
+                        self.waiting.appendleft(req)
+                        break
+                    skipped.append(req)
+                    continue
             num_new = self.config.chunk(req.num_tokens - num_cached)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -196,123 +221,56 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    # ---- loads through the connector ------------------------------------------------
+    # ---- phase 0: load ahead --------------------------------------------------------
 
-    def start_loads(self) -> tuple[SchedulerOutput, list[str]] | None:
-        """Before `schedule()`: start the connector loads of the waiting requests it would
-        admit next, so that a load which finishes at once (see the engine's step) lets its
-        request be prefilled in this step's batch instead of the next. Returns the connector
-        metadata for the worker and the requests now loading, or None if none started."""
-        if self.connector is None:
-            return None
+    def _load_ahead(self) -> frozenset[str]:
+        """Start the connector loads of the waiting requests the next batch would admit (as
+        many as there are free seats). Returns the requests now loading."""
+        assert self.remote is not None
         started: list[str] = []
         room = self.config.max_num_seqs - len(self.running)
         for req in list(self.waiting)[:max(room, 0)]:
             if req.status is not RequestStatus.WAITING or self.kv.has_blocks(req):
                 continue
-            computed, num_cached = self.kv.get_computed_blocks(req, record=False)
-            num_external, _ = self.connector.get_num_new_matched_tokens(req, num_cached)
-            if not num_external:  # no external hit (counted when schedule() admits it), or ask later
+            computed, num_cached, num_external = self.remote.lookup(req, record=False)
+            if not num_external:  # no external hit (counted when phase 2 admits it), or ask later
                 continue
-            if not self._start_load(req, computed, num_cached, num_external):
+            if not self.remote.start(req, computed, num_cached, num_external):
                 break
             self.kv.record_query(req, num_cached)
             started.append(req.request_id)
-        if not started:
-            return None
-        out = SchedulerOutput()
-        out.kv_connector_metadata = self.connector.build_connector_meta(out)
-        return out, started
-
-    def _start_load(self, req: Request, computed: list, num_cached: int, num_external: int) -> bool:
-        """Allocate blocks for the external tokens and park the request while they load."""
-        assert self.connector is not None
-        req.num_computed_tokens = num_cached
-        new = self.kv.allocate_slots(req, num_external, computed)
-        if new is None:
-            req.num_computed_tokens = 0
-            return False
-        self.connector.update_state_after_alloc(req, [b.block_id for b in new], num_external)
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_cached
-        req.num_external_tokens = num_external
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[req.request_id] = time.monotonic()
-        return True
-
-    def load_reported(self, rid: str) -> bool:
-        """The worker side has reported this request's load finished (not yet taken up)."""
-        return rid in self._finished_recving
-
-    def _load_finished(self, req: Request) -> bool:
-        """True once the request's load is over and it can be scheduled (possibly recomputing)."""
-        rid = req.request_id
-        if rid not in self._finished_recving:
-            if time.monotonic() - self.loading[rid] > self.config.kv_load_timeout_s:
-                self._fail(req, f"loading {req.num_external_tokens} tokens of KV timed out after "
-                                f"{self.config.kv_load_timeout_s:g} s")
-            return False
-        self._finished_recving.discard(rid)
-        del self.loading[rid]
-        bs = self.kv.block_size
-        ids = self.kv.block_ids(rid)
-        first, last = req.num_computed_tokens // bs, (req.num_computed_tokens + req.num_external_tokens) // bs
-        bad = next((i for i in range(first, last) if ids[i] in self._invalid_block_ids), None)
-        self._invalid_block_ids.difference_update(ids[first:last])
-        if bad is not None:
-            self.failed_load_blocks += last - bad
-            if self.config.kv_load_failure_policy == "fail":
-                self._fail(req, f"loading KV failed for {last - bad} of {last - first} blocks")
-                return False
-            log.info("%s: %d of %d loaded blocks failed; recomputing from block %d", rid, last - bad, last - first, bad)
-            last = bad
-        req.num_external_tokens = (last - first) * bs
-        req.num_computed_tokens = last * bs
-        self.remote_hit_tokens += req.num_external_tokens
-        self.kv.cache_computed(req)
-        req.status = RequestStatus.WAITING
-        return True
-
-    def _fail(self, req: Request, message: str) -> None:
-        log.warning("%s: %s", req.request_id, message)
-        req.error = message
-        self.finish(req, RequestStatus.FINISHED_ERROR)
-        self.finished_outside_step.append(req)
-
-    def update_from_connector(self, output: KVConnectorOutput) -> None:
-        """The worker side's report: finished loads (and failed blocks), finished sends."""
-        if self.connector is not None:
-            self.connector.update_connector_output(output)
-        self._invalid_block_ids |= output.invalid_block_ids
-        for rid in output.finished_recving:
-            req = self.requests.get(rid)
-            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self._finished_recving.add(rid)
-            elif rid in self.loading:  # ended while loading: its blocks are free to go now
-                del self.loading[rid]
-                self._release(rid)
-        for rid in output.finished_sending:
-            self._release(rid)
-
-    def _release(self, rid: str) -> None:
-        self._invalid_block_ids.difference_update(self.kv.block_ids(rid))
-        self.kv.free_by_id(rid)
+        return frozenset(started)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=frozenset(self._finished_ids))
+        self._finished_ids.clear()
+        remote = self.remote
+        if remote is not None and self.config.kv_load_wait_s > 0:
+            started = self._load_ahead()
+            if started:
+                out.loads_to_wait, out.load_wait_s = started, self.config.kv_load_wait_s
+                out.kv_connector_metadata = remote.connector.build_connector_meta(out)
+                return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        if self.connector is not None:
+        if remote is not None:
             out.block_tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled}
-            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+            out.kv_connector_metadata = remote.connector.build_connector_meta(out)
+            if not out.scheduled and remote.num_loading:
+                out.loads_to_wait, out.load_wait_s = remote.loading_ids(), IDLE_LOAD_WAIT_S
         return out
 
     # ---- finalize -------------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance computed tokens, append sampled tokens, cache newly full blocks."""
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Take the runner's report: connector news first, then advance computed tokens,
+        append sampled tokens, cache newly full blocks, end requests that stop. Returns an
+        output for every request that produced a token or ended."""
+        if result.kv_connector_output is not None and self.remote is not None:
+            self.remote.report(result.kv_connector_output, self.requests)
         now = time.monotonic()
+        outputs: list[RequestOutput] = []
         for s in out.scheduled:
             req = s.request
             if req.is_finished:  # aborted during the step
@@ -320,30 +278,43 @@ class Scheduler:
             self.prefill_tokens += max(0, min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
                                        - req.num_computed_tokens)
             req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is not None:
+            sample = result.sampled.get(req.request_id)
+            if sample is not None:
+                token, logprobs = sample
                 req.output_token_ids.append(token)
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs)
                 if req.first_token_time is None:
                     req.first_token_time = now
             self.kv.cache_computed(req)
+            if sample is not None:
+                status = self.stop(req)
+                if status is not None:
+                    self.finish(req, status)
+                outputs.append(make_output(req))
+        outputs.extend(make_output(r) for r in self._finished_outside)
+        self._finished_outside.clear()
+        return outputs
+
+    def _fail(self, req: Request, message: str) -> None:
+        log.warning("%s: %s", req.request_id, message)
+        req.error = message
+        self.finish(req, RequestStatus.FINISHED_ERROR)
+        self._finished_outside.append(req)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request (stopped, aborted, failed): free its blocks and forget it."""
+        """End a request (stopped, aborted, failed): free its blocks and forget it. The blocks
+        stay while the connector still sends them or a load in flight still writes into them
+        (freed when the worker side reports)."""
         rid = req.request_id
         req.status = status
         req.finish_time = time.monotonic()
-        hold = False
-        if self.connector is not None:
-            hold, _ = self.connector.request_finished(req, self.kv.block_ids(rid))
-        if rid in self._finished_recving:  # its load is over but was not picked up yet
-            self._finished_recving.discard(rid)
-            self.loading.pop(rid, None)
-        # The blocks stay while the connector still sends them (freed when `finished_sending`
-        # reports the request) or a load in flight still writes into them (freed when it reports).
-        if not hold and rid not in self.loading:
+        hold = self.remote.on_finish(req) if self.remote is not None else False
+        if not hold:
             self.kv.free(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.requests.pop(req.request_id, None)
+        self.requests.pop(rid, None)
+        self._finished_ids.add(rid)

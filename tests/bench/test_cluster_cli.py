@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.launch import http_json
+from kvpool_harness.engine_node import http_json
 
 pytestmark = pytest.mark.slow
 
 
 def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "cross-node", "--users", "3",
+        [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "cross-node", "--users", "3",
          "--rounds", "2", "--groups", "1", "--system-tokens", "96", "--context-tokens", "32", "--user-tokens", "16",
          "--output-tokens", "17", "--concurrency", "2", "--run-dir", str(tmp_path / "run"), "--out", str(out),
          "--no-progress"], capture_output=True, text=True, timeout=600)

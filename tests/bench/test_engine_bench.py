@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "engine", "--dtype",
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine", "--dtype",
                         "float32", "--requests", "3", "--min-prompt", "40", "--max-prompt", "90",
                         "--output-tokens", "5", "--hf-batch", "2", "--hf-bf16-prefill-prompts", "2", "--out",
                         str(out)], capture_output=True, text=True, timeout=600, check=False)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_short_soak_answers_or_sheds_and_the_index_matches(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "soak", "--duration", "15", "--rate", "4",
+        [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "soak", "--duration", "15", "--rate", "4",
          "--max-pending-requests", "2", "--pool-size", "16MiB", "--kv-cache-bytes", "64MiB", "--output-tokens", "4",
          "--sample-s", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
         capture_output=True, text=True, timeout=600)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> None:
     out = tmp_path / "transfer.json"
-    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "transfer", "--sizes",
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "transfer", "--sizes",
                         "64KiB,256KiB", "--chains", "1,4", "--max-bytes", "1MiB", "--repeat", "2", "--phases", "--out",
                         str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_tiny_transfer_bench_reports_every_method_per_cell(tmp_path: Path) -> No
 
 def test_scattered_destinations_are_read_as_one_range_per_block(tmp_path: Path) -> None:
     out = tmp_path / "transfer.json"
-    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "transfer", "--sizes",
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "transfer", "--sizes",
                         "64KiB", "--chains", "4", "--repeat", "2", "--min-seconds", "0", "--scatter", "--no-store",
                         "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -13,13 +13,12 @@ import random
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from kvpool.launch import EngineProcess
 from kvpool.layout import slot_bytes_for
-from metaserver.launch import EtcdProcess, MetaserverProcess
+from kvpool_harness.engine_node import EngineProcess
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow

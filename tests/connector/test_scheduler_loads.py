@@ -9,12 +9,14 @@ import time
 
 import pytest
 
-from connector.base import EngineContext, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
-from connector.config import KVTransferConfig
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector.base import (EngineContext, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorOutput,
+                                      KVConnectorRole)
+from engine.kv_connector.config import KVTransferConfig
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4
 
@@ -27,10 +29,12 @@ class ScriptedConnector(KVConnectorBase_V1):
         self.offer: dict[str, int | None] = {}
         self.allocated: dict[str, list[int]] = {}
         self.calls = 0
+        self.asked: list[str] = []   # request ids, one per call
         self.finished: list[str] = []
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         self.calls += 1
+        self.asked.append(request.request_id)
         n = self.offer.get(request.request_id, 0)
         return n, bool(n)
 
@@ -50,11 +54,13 @@ class ScriptedConnector(KVConnectorBase_V1):
     def wait_for_save(self): ...  # noqa: ANN201
 
 
-def make(num_blocks: int = 64, policy: str = "recompute", timeout_s: float = 30.0):  # noqa: ANN201
+def make(num_blocks: int = 64, policy: str = "recompute", timeout_s: float = 30.0, wait_s: float = 0.0,
+         max_seqs: int = 8):  # noqa: ANN201
     pool = BlockPool(num_blocks)
     kv = KVCacheManager(pool, BS, "fp")
     conn = ScriptedConnector()
-    sched = Scheduler(SchedulerConfig(64, 8, kv_load_failure_policy=policy, kv_load_timeout_s=timeout_s), kv, conn)
+    sched = Scheduler(SchedulerConfig(64, max_seqs, kv_load_failure_policy=policy, kv_load_timeout_s=timeout_s,
+                                      kv_load_wait_s=wait_s), kv, conn)
     return sched, conn, pool
 
 
@@ -62,11 +68,17 @@ def req(rid: str, n: int, base: int = 0) -> Request:
     return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=4))
 
 
+def finish_step(sched: Scheduler, out: SchedulerOutput, sampled_token: int = 7,
+                report: KVConnectorOutput | None = None) -> list[RequestOutput]:
+    """What the runner would report for `out`: a token for each request that samples, and
+    the connector's `report` (default: nothing finished)."""
+    sampled = {s.request.request_id: (sampled_token, None) for s in out.scheduled if s.samples}
+    return sched.update_from_output(out, ModelRunnerOutput(sampled, report or KVConnectorOutput()))
+
+
 def step(sched: Scheduler, sampled_token: int = 7, report: KVConnectorOutput | None = None):  # noqa: ANN201
     out = sched.schedule()
-    if report is not None:
-        sched.update_from_connector(report)
-    sched.update_from_output(out, {s.request.request_id: sampled_token for s in out.scheduled if s.samples})
+    finish_step(sched, out, sampled_token, report)
     return out
 
 
@@ -118,9 +130,9 @@ def test_fail_policy_ends_the_request_with_an_error() -> None:
     sched, conn, pool = make(policy="fail")
     a = parked(sched, conn, "a")
     step(sched, report=KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={conn.allocated["a"][0]}))
-    step(sched)
+    outputs = finish_step(sched, sched.schedule())
     assert a.status is RequestStatus.FINISHED_ERROR and "loading KV failed" in (a.error or "")
-    assert sched.finished_outside_step == [a]
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error")]  # reported, though never run
     assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
 
 
@@ -144,7 +156,7 @@ def test_abort_while_loading_frees_blocks_only_when_the_load_reports() -> None:
 def test_abort_after_the_load_reported_frees_at_once() -> None:
     sched, conn, pool = make()
     a = parked(sched, conn, "a")
-    sched.update_from_connector(KVConnectorOutput(finished_recving={"a"}))
+    finish_step(sched, SchedulerOutput(), report=KVConnectorOutput(finished_recving={"a"}))
     sched.abort_request("a")
     assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
 
@@ -205,59 +217,75 @@ def test_kv_transfer_config_roles() -> None:
 
 
 def test_unknown_connector_name() -> None:
-    from connector import factory
+    from engine.kv_connector import factory
 
     with pytest.raises(ValueError, match="unknown KV connector 'lmcache'; known: MooncakeConnector, mooncake"):
         factory.create(KVTransferConfig("lmcache"), EngineContext("fp", BS, 1, 1, 0), KVConnectorRole.WORKER)
 
 
-# ---- loads started before the batch is formed (the engine's kv_load_wait_s) -----------
+# ---- load-ahead steps (kv_load_wait_s > 0) ---------------------------------------------
 
-def test_load_started_before_the_batch_and_reported_joins_that_steps_batch() -> None:
-    sched, conn, pool = make()
+def test_load_ahead_step_starts_the_load_and_its_request_joins_the_next_batch() -> None:
+    sched, conn, pool = make(wait_s=0.05)
     running = req("r", 9, base=500)
     sched.add_request(running)
     step(sched)                                  # r prefilled; it decodes from now on
     r = req("a", 21)
     conn.offer["a"] = 16
     sched.add_request(r)
-    started = sched.start_loads()
-    assert started is not None and started[1] == ["a"]
+    out = sched.schedule()                       # a load-ahead step: the load only, nothing computed
+    assert not out.scheduled and out.loads_to_wait == {"a"} and out.load_wait_s == 0.05
     assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and conn.allocated["a"]
-    assert not sched.load_reported("a")
-    sched.update_from_connector(KVConnectorOutput(set(), {"a"}, set()))   # the load is done at once
-    assert sched.load_reported("a")
+    finish_step(sched, out, report=KVConnectorOutput(set(), {"a"}, set()))   # the load landed in the wait
     out = step(sched)
     scheduled = {s.request.request_id: s.num_new_tokens for s in out.scheduled}
-    assert scheduled == {"r": 1, "a": 21 - 16}   # prefilled in this step: only the 5 tokens after the load
+    assert scheduled == {"r": 1, "a": 21 - 16}   # the very next batch: only the 5 tokens after the load
     assert r.num_cached_tokens == 0 and sched.remote_hit_tokens == 16
-    assert conn.calls == 2                       # once for r, once for a: schedule() did not ask again
+    assert conn.asked.count("a") == 1            # asked once, when its load started: phase 2 did not ask again
 
 
 def test_load_not_reported_in_time_leaves_its_request_loading_and_others_run() -> None:
-    sched, conn, pool = make()
+    sched, conn, pool = make(wait_s=0.05)
     r = req("a", 21)
     conn.offer["a"] = 16
     sched.add_request(r)
     other = req("b", 9, base=300)
     sched.add_request(other)
-    assert sched.start_loads()[1] == ["a"]       # b has no external hit: not started, left to schedule()
-    out = step(sched)
+    out = step(sched)                            # b has no external hit: not started, left to phase 2
+    assert out.loads_to_wait == {"a"} and not out.scheduled
+    out = step(sched)                            # nothing new to start: a normal step, a still loading
     assert [s.request.request_id for s in out.scheduled] == ["b"]
-    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert sched.start_loads() is None           # nothing new to start; a is not started twice
-    out = step(sched, report=KVConnectorOutput(set(), {"a"}, set()))
+    assert r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and conn.asked.count("a") == 1
+    step(sched, report=KVConnectorOutput(set(), {"a"}, set()))
     out = step(sched)
     assert "a" in {s.request.request_id for s in out.scheduled}
 
 
-def test_start_loads_counts_each_lookup_once_and_respects_the_seat_limit() -> None:
-    sched, conn, pool = make()
-    sched.config = SchedulerConfig(64, 1)
+def test_idle_step_with_loads_in_flight_asks_the_runner_to_wait_on_them() -> None:
+    sched, conn, pool = make()                   # no load-ahead: loads start in phase 2
+    parked(sched, conn, "a")
+    out = sched.schedule()
+    assert not out.scheduled and out.loads_to_wait == {"a"} and 0 < out.load_wait_s <= 0.01
+
+
+def test_load_ahead_counts_each_lookup_once_and_respects_the_seat_limit() -> None:
+    sched, conn, pool = make(wait_s=0.05, max_seqs=1)
     for i in range(3):
         conn.offer[f"q{i}"] = 8
         sched.add_request(req(f"q{i}", 13, base=100 * i))
-    assert sched.start_loads()[1] == ["q0"]      # one seat: only the request schedule() admits next
+    out = step(sched)
+    assert out.loads_to_wait == {"q0"}           # one seat: only the request the batch admits next
     assert sched.kv.pool.queries == 13           # counted once, when the load started
-    assert sched.start_loads() is None
-    assert sched.kv.pool.queries == 13
+    out = step(sched)                            # q0 is not started twice: no load-ahead step
+    assert out.load_wait_s < 0.05                # (phase 2 parks q1 and q2: loads hold no seat)
+    assert sched.kv.pool.queries == 3 * 13       # q0 still counted once
+
+
+def test_finished_requests_are_told_to_the_runner_once() -> None:
+    sched, conn, pool = make()
+    a = req("a", 5)
+    sched.add_request(a)
+    step(sched)
+    sched.abort_request("a")
+    assert sched.schedule().finished_req_ids == {"a"}
+    assert sched.schedule().finished_req_ids == frozenset()

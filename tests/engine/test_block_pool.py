@@ -1,4 +1,9 @@
 """Block pool invariants: free-queue order, reference counts, cached-block eviction, hashing."""
+from __future__ import annotations
+
+import tracemalloc
+from collections import deque
+
 from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, chain_seed, hash_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
@@ -53,7 +58,6 @@ def test_cached_blocks_are_reused_until_evicted() -> None:
     assert b not in others and pool.get_cached(h) is b
     [again] = pool.allocate(1)
     assert again is b and pool.get_cached(h) is None and b.block_hash is None
-    assert pool.evicted_hashes == [h]
 
 
 def test_hashes_are_deterministic_chained_and_namespaced() -> None:
@@ -89,3 +93,47 @@ def test_manager_prefix_hit_leaves_one_token_to_compute() -> None:
     assert kv.allocate_slots(r3, 1, blocks) is not None
     assert [b.ref_cnt for b in kv.req_blocks["r3"]] == [1, 1, 1]
     assert kv.allocate_slots(Request("big", list(range(40)), SamplingParams()), 40) is None  # does not fit
+
+
+def _held_items(*objs: object) -> int:
+    """Items held in the containers that are attributes of `objs` (what a leak grows)."""
+    total = 0
+    for o in objs:
+        for v in vars(o).values():
+            if isinstance(v, (list, dict, set, deque)):
+                total += len(v)
+    return total
+
+
+def test_many_thousands_of_evictions_grow_nothing() -> None:
+    """Requests with distinct prompts fill, cache and free blocks in a small pool, so every
+    allocation evicts cached blocks: nothing the pool or the manager holds may grow with the
+    number of evictions (the pool used to keep every evicted hash in a list no one drained)."""
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, 4, "fp")
+
+    def churn(first: int, n: int) -> list[bytes]:
+        hashes = []
+        for i in range(first, first + n):
+            r = Request(f"r{i}", [i * 8 + t for t in range(8)], SamplingParams())  # two full blocks, unique
+            assert kv.allocate_slots(r, 8) is not None
+            r.num_computed_tokens = 8
+            kv.cache_computed(r)
+            hashes.extend(r.block_hashes)
+            kv.free(r)
+        return hashes
+
+    first = churn(0, 1_000)
+    held = _held_items(pool, kv, pool.free_queue)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        churn(1_000, 10_000)                      # 20,000 more evictions
+        growth = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename")
+                     if s.traceback[0].filename.endswith(("block_pool.py", "kv_cache_manager.py")))
+    finally:
+        tracemalloc.stop()
+    assert all(pool.get_cached(h) is None for h in first)  # evicted, not merely freed
+    assert len(pool.cached) <= pool.num_blocks
+    assert _held_items(pool, kv, pool.free_queue) == held
+    assert growth < 16_384, f"{growth} bytes more held by the block pool after 20,000 evictions"

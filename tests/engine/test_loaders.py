@@ -61,7 +61,7 @@ def test_missing_and_unsupported_models(tmp_path: Path) -> None:
 
 
 def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvpool", "generate", "--model", str(tmp_path / "none.gguf"),
+    proc = subprocess.run([sys.executable, "-m", "kvpool_cli", "generate", "--model", str(tmp_path / "none.gguf"),
                            "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("kvpool generate: error: model") and "Traceback" not in proc.stderr

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metaserver.launch import free_port
+from kvpool_harness.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-4f9b2c71e0d3"
@@ -51,7 +51,7 @@ def server_log(tmp_path_factory) -> Path:  # noqa: ANN001
 def server(server_log: Path) -> Iterator[str]:
     port = free_port()
     log = open(server_log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "DEBUG", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "kvpool_cli", "--log-level", "DEBUG", "serve", "--port", str(port),
                              "--kv-cache-bytes", "256MiB", "--max-model-len", "2048", "--threads", "2",
                              "--max-request-bytes", "64KiB", "--max-pending-requests", "3"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "KVPOOL_API_KEY": API_KEY})
@@ -264,7 +264,7 @@ def test_cross_node_bench_against_a_node_with_an_api_key(server: str, tmp_path: 
     """`kvpool bench cross-node --urls` sends the key from --api-key-file (401s without it)."""
     key_file = tmp_path / "key"
     key_file.write_text(API_KEY + "\n")
-    args = [sys.executable, "-m", "kvpool", "bench", "cross-node", "--urls", server, "--users", "1", "--rounds", "2",
+    args = [sys.executable, "-m", "kvpool_cli", "bench", "cross-node", "--urls", server, "--users", "1", "--rounds", "2",
             "--groups", "1", "--system-tokens", "32", "--user-tokens", "8", "--output-tokens", "2", "--no-progress",
             "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path / "r.json")]
     env = {k: v for k, v in os.environ.items() if k != "KVPOOL_API_KEY"}

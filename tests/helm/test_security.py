@@ -27,13 +27,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from engine import cli as engine_cli
-from kvpool.cli import build_parser
+from kvpool_cli import serve as engine_cli
+from kvpool_cli.main import build_parser
+from kvpool_harness.engine_node import read_api_key
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.auth import check_token
 from metaserver.client import MetaClient
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import PermissionDenied
-from metaserver.launch import EtcdProcess, MetaserverProcess
 from tests.helm.chart import (
     CI_VALUES,
     FAKE_POD_IP,
@@ -513,7 +514,7 @@ def _materialize(r: Rendered, workload: Manifest, container_name: str, root: Pat
 
 
 def _kvpool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", *args], capture_output=True, text=True, timeout=60,
                           check=False)
 
 
@@ -563,7 +564,7 @@ def test_chart_credentials_work_with_a_real_metaserver(etcd: EtcdProcess, tmp_pa
             assert ENGINE_POD in {n.node_id for n, _ in client.list_nodes()}
             with pytest.raises(PermissionDenied):   # the node token is not the admin token
                 client.drain(ENGINE_POD)
-        assert engine_cli.read_api_key(in_engine(eng_args.api_key_file))
+        assert read_api_key(in_engine(eng_args.api_key_file))
 
         # The preStop hook drains that node (admin token, same TLS files), reaching this server.
         words = _prestop_words(r)

@@ -3,7 +3,6 @@ etcd; the command lines parse with the real `kvpool` CLI and build the real conf
 placement, resources, volumes, the config checksum, the ServiceMonitor and `helm test` pods."""
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import shlex
@@ -13,11 +12,11 @@ import subprocess
 import pytest
 import yaml
 
-from connector.config import KVTransferConfig
-from engine import cli as engine_cli
-from kvpool.cli import build_parser
+from engine.kv_connector.config import KVTransferConfig
 from kvpool.layout import parse_size
 from kvpool.transfer import TransferConfig
+from kvpool_cli import serve as engine_cli
+from kvpool_cli.main import build_parser
 from metaserver.config import MetaServerConfig
 from metaserver.etcd import grpc_target
 from tests.helm.chart import (
@@ -132,15 +131,18 @@ def test_engine_command_line_parses_with_the_real_cli(files: tuple[str, ...]) ->
 
 
 def _connector_extra_keys() -> set[str]:
-    """kv_connector_extra_config keys the connector reads (connector/mooncake.py)."""
-    tree = ast.parse((ROOT / "connector" / "mooncake.py").read_text())
-    keys = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            f = node.func
-            if (isinstance(f, ast.Name) and f.id == "x") or (isinstance(f, ast.Attribute) and f.attr == "extra"):
-                keys.add(node.args[0].value)
-    assert {"metaserver", "protocol", "local_hostname"} <= keys, f"connector source changed shape: {keys}"
+    """kv_connector_extra_config keys the connector reads: every key `PoolConnectorSettings`
+    asks for while it is built (recorded, with each key's default)."""
+    from connector.settings import PoolConnectorSettings
+
+    keys: set[str] = set()
+
+    def extra(key: str, default: object = None) -> object:
+        keys.add(key)
+        return "127.0.0.1:1" if key == "metaserver" else default
+
+    PoolConnectorSettings.from_extra(extra, 30.0)
+    assert {"metaserver", "protocol", "local_hostname"} <= keys, f"connector settings changed shape: {keys}"
     return keys
 
 

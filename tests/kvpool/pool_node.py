@@ -15,6 +15,7 @@ import numpy as np
 
 from kvpool import NodePool, PoolConfig
 from metaserver.client import MetaClient
+from tests.kvpool.hooks import put_bytes
 
 
 def block_hash(node_seed: str, i: int) -> bytes:
@@ -43,7 +44,7 @@ def main() -> int:
     with NodePool(config, MetaClient(args.metaserver)) as pool:
         for i in range(args.blocks):
             h = block_hash(args.seed, i)
-            pool.put_bytes(h, block_content(h, args.block_bytes))
+            put_bytes(pool, h, block_content(h, args.block_bytes))
         pool.flush_publishes()
         print("READY", flush=True)
         stop.wait()

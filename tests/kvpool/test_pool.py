@@ -15,12 +15,13 @@ import pytest
 
 from kvpool import NodePool, PoolConfig, PoolError, TransferConfig
 from kvpool.layout import HEADER_BYTES, parse_size, slot_bytes_for
+from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
 from metaserver.errors import NotFound
-from metaserver.launch import MetaserverProcess
 from metaserver.types import BlockLocation, NodeId
 from tests.conftest import wait_for
 from tests.kvpool.pool_node import block_content, block_hash
+from tests.kvpool.hooks import contacting, lru_order, overwrite, put_bytes
 
 NS = "test-ns"
 BB = 64 * 1024
@@ -46,7 +47,7 @@ def two_pools(metaserver: MetaserverProcess) -> Iterator[tuple[NodePool, NodePoo
 def fill(pool: NodePool, n: int, seed: str = "chain") -> list[bytes]:
     hashes = [block_hash(seed, i) for i in range(n)]
     for h in hashes:
-        assert pool.put_bytes(h, block_content(h, BB))
+        assert put_bytes(pool, h, block_content(h, BB))
     assert pool.flush_publishes()
     return hashes
 
@@ -100,7 +101,7 @@ def test_overwritten_slot_is_reported_failed(two_pools, metaserver: MetaserverPr
     b.register_memory(dest.ctypes.data, dest.nbytes)
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes)
-        a.overwrite_for_test(hashes[3], bytes(BB))  # the index still promises generation 1
+        overwrite(a, hashes[3], bytes(BB))  # the index still promises generation 1
         res = b.get(r.locations, r.nodes, [dest.ctypes.data + i * BB for i in range(8)]).wait(60)
         assert res.failed == (3,)
         # Concurrent: the source keeps rewriting block 5 while B reads it again and again.
@@ -109,7 +110,7 @@ def test_overwritten_slot_is_reported_failed(two_pools, metaserver: MetaserverPr
         def writer() -> None:
             k = 0
             while not stop.is_set():
-                a.overwrite_for_test(hashes[5], bytes([k % 256]) * BB)
+                overwrite(a, hashes[5], bytes([k % 256]) * BB)
                 k += 1
 
         t = threading.Thread(target=writer)
@@ -130,9 +131,9 @@ def test_full_pool_evicts_lru_and_unpublishes(metaserver: MetaserverProcess) -> 
     try:
         hashes = fill(pool, 8)
         # Touch block 0 and 1 so 2 and 3 are the least recently used.
-        assert not pool.put_bytes(hashes[0], block_content(hashes[0], BB))
-        assert not pool.put_bytes(hashes[1], block_content(hashes[1], BB))
-        assert pool.lru_order()[:2] == [hashes[2], hashes[3]]
+        assert not put_bytes(pool, hashes[0], block_content(hashes[0], BB))
+        assert not put_bytes(pool, hashes[1], block_content(hashes[1], BB))
+        assert lru_order(pool)[:2] == [hashes[2], hashes[3]]
         extra = fill(pool, 1, seed="extra")
         assert pool.stats.evictions == 2 and len(pool) == 7
         assert hashes[2] not in pool and hashes[3] not in pool and hashes[0] in pool and extra[0] in pool
@@ -149,7 +150,7 @@ def test_bad_input(two_pools, metaserver: MetaserverProcess) -> None:
     a, b = two_pools
     hashes = fill(a, 2)
     with pytest.raises(PoolError, match="does not match"):
-        a.put_bytes(block_hash("x", 0), np.zeros(BB + 1, dtype=np.uint8))
+        put_bytes(a, block_hash("x", 0), np.zeros(BB + 1, dtype=np.uint8))
     unregistered = np.zeros(2 * BB, dtype=np.uint8)
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes)
@@ -249,7 +250,7 @@ def test_frozen_source_never_read_before_fails_on_time_and_nothing_lands_later(m
         # The first contact either waits out the freeze and succeeds after the thaw, or (when the
         # transport connected before the source stopped answering) fails on the progress timeout.
         # Either way the batches behind it are settled and must never be posted.
-        wait_for(lambda: not pool._reads.peers.contacting(session), timeout_s=30)
+        wait_for(lambda: not contacting(pool._reads.peers, session), timeout_s=30)
         contact = "made" if pool._reads.peers.known(session) else "failed"
         time.sleep(0.5)
         assert not dest.any(), "the abandoned read was posted after the source thawed"
@@ -314,7 +315,7 @@ def test_reads_into_slot_strided_memory_back_to_back_blocks_as_one_range(
     assert posted == [[4 * (HEADER_BYTES + BB)], [2 * (HEADER_BYTES + BB)]]  # two batches, one range each
     for i, h in enumerate(hashes):
         assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
-    a.overwrite_for_test(hashes[2], bytes(BB))
+    overwrite(a, hashes[2], bytes(BB))
     dest[:] = 0
     assert b.get(r.locations, r.nodes, addrs, header_room=True).wait(60).failed == (2,)
     for i, h in enumerate(hashes):  # the others still arrive and validate inside the merged range

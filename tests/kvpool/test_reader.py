@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
-from kvpool.pool import PoolStats
+from kvpool.stats import PoolStats
 from kvpool.reader import Peers, ReadContext, ReadHandle, ReadResult, Scratch, coalesce
 from kvpool.transfer import TransferError
 from metaserver.types import BlockLocation, NodeId, NodeRecord
+from tests.kvpool.hooks import contacting
 
 SESSION = "127.0.0.1:1"
 
@@ -57,11 +58,11 @@ def test_failed_first_contact_fails_its_reads_posts_nothing_and_the_next_read_tr
     with ThreadPoolExecutor(1) as completer:
         ctx = ReadContext(te, completer, scratch, peers, stats, 5)
         handle = ReadHandle(ctx, locs, dests, 64, [(node, list(range(8)))])
-        assert peers.contacting(SESSION) and not peers.known(SESSION)
+        assert contacting(peers, SESSION) and not peers.known(SESSION)
         te.release.set()
         res = handle.wait(10)
         assert res.ok == () and res.failed == tuple(range(8))
-        assert not peers.contacting(SESSION) and not peers.known(SESSION)
+        assert not contacting(peers, SESSION) and not peers.known(SESSION)
         assert te.submitted == [], "a read queued behind a failed contact was posted"
         assert stats.failed_reads == 8 and stats.remote_hits == 0
 

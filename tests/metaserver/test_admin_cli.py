@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
+from kvpool_harness.processes import MetaserverProcess, free_port
 from metaserver.client import MetaClient
-from metaserver.launch import MetaserverProcess, free_port
 
 NS = "ns-admin"
 H = [f"{i:064x}" for i in range(4)]
 
 
 def admin(address: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "admin", "--metaserver",
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "admin", "--metaserver",
                            address, *args], capture_output=True, text=True, timeout=60, input=stdin)
 
 
@@ -92,3 +92,47 @@ def test_unreachable_metaserver() -> None:
     assert r.returncode == 3
     assert "metaserver unreachable" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_options_go_before_or_after_the_command(address: str) -> None:
+    """As in etcdctl/kubectl/helm: `admin --metaserver X stats --json` = `admin --metaserver X --json stats`,
+    and `--log-level` goes before or after the command."""
+    before = admin(address, "--json", "stats")     # the old order still works
+    after = admin(address, "stats", "--json")
+    assert before.returncode == after.returncode == 0, before.stderr + after.stderr
+    assert json.loads(before.stdout)["index"] == json.loads(after.stdout)["index"]
+    assert json.loads(after.stdout)["index"]["num_nodes"] == 1
+
+    r = kvpool("admin", "nodes", "--metaserver", address, "--timeout", "5", "--json", "--log-level", "WARNING")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["node_id"] == "node-a"
+    r = kvpool("--log-level", "WARNING", "admin", "--metaserver", address, "nodes")
+    assert r.returncode == 0 and "node-a" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "metaserver", "admin", "stats", "--metaserver", address, "--json",
+                        "--log-level", "WARNING"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["etcd_healthy"] is True, r.stderr
+
+    r = kvpool("admin", "stats", "--json")
+    assert r.returncode == 2 and "required: --metaserver" in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["admin", "--metaserver", "h:1", "stats"],
+    ["metaserver", "--listen", "127.0.0.1:1"],
+    ["serve", "--port", "1"],
+    ["cluster", "status"],
+    ["bench", "metaserver"],
+])
+def test_log_level_goes_before_or_after_the_command(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_cli.main import build_parser
+
+    monkeypatch.delenv("KVPOOL_LOG_LEVEL", raising=False)
+    parser = build_parser()
+    assert parser.parse_args(args).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "WARNING", *args]).log_level == "WARNING"
+    assert parser.parse_args([*args, "--log-level", "WARNING"]).log_level == "WARNING"
+    assert parser.parse_args(["--log-level", "ERROR", *args, "--log-level", "WARNING"]).log_level == "WARNING"

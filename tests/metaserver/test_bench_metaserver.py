@@ -15,7 +15,7 @@ from kvpool_bench.metaserver_bench import OtherCpu
 
 def test_bench_reports_query_and_noop_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "kvpool", "--log-level", "WARNING", "bench", "metaserver",
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "metaserver",
                         "--chains", "20", "--loads", "100,200", "--seconds", "0.3", "--concurrency", "4",
                         "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpool_harness.processes import EtcdProcess
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
-from metaserver.launch import EtcdProcess
 from metaserver.types import BlockHash, BlockRecord
 from tests.conftest import wait_for
 

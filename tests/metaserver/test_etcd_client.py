@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
+from kvpool_harness.processes import EtcdProcess
 from metaserver.etcd import Delete, EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, Put, grpc_target, prefix_end
-from metaserver.launch import EtcdProcess
 
 
 def test_prefix_end_and_target() -> None:

@@ -16,11 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import metaserver.store as store_mod
+from kvpool_harness.processes import EtcdProcess
 from metaserver.client import MetaClient
 from metaserver.config import MetaServerConfig
 from metaserver.errors import Unavailable
 from metaserver.etcd import EtcdUnavailable, KeyValue, Op
-from metaserver.launch import EtcdProcess
 from metaserver.service import MetaService
 from metaserver.types import BlockHash, BlockRecord
 from tests.conftest import wait_for

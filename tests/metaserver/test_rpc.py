@@ -6,9 +6,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
 from metaserver.errors import FailedPrecondition, InvalidArgument, MetaError, NotFound, ResourceExhausted
-from metaserver.launch import MetaserverProcess
 from metaserver.types import BlockHash, BlockRecord
 
 NS = "smollm2-135m|fp32|bs16|L30|kv3|hd64"

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 
 from engine.block_pool import chain_seed, hash_blocks
-from kvpool.launch import EngineProcess
+from kvpool_harness.engine_node import EngineProcess
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.client import MetaClient, ServerStats
 from metaserver.errors import MetaError
-from metaserver.launch import EtcdProcess, MetaserverProcess
 from metaserver.types import BlockHash, NodeRecord
 from tests.conftest import wait_for
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.launch import EngineProcess
+from kvpool_harness.engine_node import EngineProcess
 from tests.conftest import wait_for
 from tests.reliability.faults_util import (B_LEASE_TTL_S, B_READ_TIMEOUT_S, LOAD_DELAY_S, PREFIX_BLOCKS,
                                            PREFIX_TOKENS, Background, FaultRecord, FirstTrue, Outcome, Pool, ask,

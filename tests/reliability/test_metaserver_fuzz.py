@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from google.protobuf.message import Message
 
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.client import MetaClient
 from metaserver.errors import NotFound
-from metaserver.launch import EtcdProcess, MetaserverProcess
 from metaserver.types import BlockHash, BlockRecord
 
 pytestmark = pytest.mark.slow

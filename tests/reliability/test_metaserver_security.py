@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.auth import SESSION_KEY
 from metaserver.client import MetaClient, NodeSession
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, PermissionDenied, Unauthenticated, Unavailable
-from metaserver.launch import EtcdProcess, MetaserverProcess
 from metaserver.types import BlockHash, BlockRecord
 
 NS = "ns-security"
@@ -401,7 +401,7 @@ def test_engine_node_joins_a_mutual_tls_pool_with_its_token(mtls_server: Metaser
     """A real `kvpool serve --kv-connector mooncake` node, given the CA, its client
     certificate and the node token as files in --kv-transfer-config, registers and
     publishes what it computes; its log never shows the token."""
-    from kvpool.launch import EngineProcess
+    from kvpool_harness.engine_node import EngineProcess
 
     extra = {"metaserver_tls_ca": certs("ca.crt"), "metaserver_tls_cert": certs("client.crt"),
              "metaserver_tls_key": certs("client.key"), "metaserver_token_file": certs("node.token")}

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.launch import EngineProcess, http_json
-from metaserver.launch import EtcdProcess, MetaserverProcess
+from kvpool_harness.engine_node import EngineProcess, http_json
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 
 STATE = "cluster.json"
 

@@ -1,14 +1,29 @@
 """Engine nodes (`kvpool serve`) as child processes on loopback, for tests, benchmarks and
-`kvpool cluster`. Each binds 127.0.0.1, logs to its own file and is ended by PID."""
+`kvpool cluster`. Each binds 127.0.0.1, logs to its own file and is ended by PID.
+
+Also the HTTP side both ends share: `http_json` (a client call) and `read_api_key` (the
+API key `kvpool serve` requires and `kvpool bench cross-node` sends).
+"""
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from metaserver.launch import ChildProcess, free_port
+from kvpool_harness.processes import ChildProcess, free_port
+
+
+def read_api_key(path: str) -> str:
+    """The HTTP API key from a file (stripped) or KVPOOL_API_KEY; "" = no key."""
+    if path:
+        key = Path(path).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {path} is empty")
+        return key
+    return os.environ.get("KVPOOL_API_KEY", "").strip()
 
 
 def http_json(url: str, body: object | None = None, timeout_s: float = 600) -> tuple[int, dict]:
@@ -41,10 +56,6 @@ class EngineProcess(ChildProcess):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def connector_on(self) -> bool:
-        return bool(self.metaserver)
 
     def command(self) -> list[str]:
         args = ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--model", self.model, *self.extra_args]

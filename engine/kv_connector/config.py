@@ -5,9 +5,11 @@
      "kv_connector_extra_config": {"metaserver": "127.0.0.1:50051", "pool_size": "4GiB"}}
 
 Roles: kv_both (load hits and save new blocks), kv_producer (save only), kv_consumer
-(load only). `kv_load_wait_s` (default 0.05): how long a step waits for loads it started
-just before forming its batch, so that a quick load's request is prefilled in that step. Load failure policy: recompute (the default: failed blocks and everything
-after them are computed again) or fail (the request ends with an error).
+(load only). `kv_load_wait_s` (default 0.05): how long a load-ahead step (loads started
+just before a batch is formed, nothing computed) waits on them, so that a quick load's
+request is prefilled in the very next batch. Load failure policy: recompute (the default:
+failed blocks and everything after them are computed again) or fail (the request ends with
+an error).
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     kv_load_failure_policy: str = "recompute"
     kv_load_timeout_s: float = 30.0      # a request never waits longer for its loads
-    # A load started before a step's batch is formed that finishes within this time joins
-    # that step (its request is prefilled at once); a slower one goes on in the background
-    # and its request joins a later step. 0: always in the background (vLLM's async loads).
+    # A load started before a batch is formed that finishes within this time joins that
+    # batch (its request is prefilled at once); a slower one goes on in the background and
+    # its request joins a later one. 0: always in the background (vLLM's async loads).
     kv_load_wait_s: float = 0.05
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 
 from kvpool.layout import parse_size
+from kvpool_harness.engine_node import read_api_key
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     """The connector settings from --kv-transfer-config and the shorthand flags (which win)."""
-    from connector.config import KVTransferConfig
+    from engine.kv_connector.config import KVTransferConfig
 
     if not (args.kv_connector or args.kv_transfer_config):
         if args.metaserver or args.pool_size or args.node_id:
@@ -95,14 +94,12 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
 def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
     import torch
 
+    from engine.kv_connector import KVConnectorError
     from engine.llm_engine import LLMEngine
     from engine.loader import ModelLoadError
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvpool.transfer import TransferError
-    from metaserver.errors import MetaError
-
     try:
         config = engine_config(args)
     except ValueError as err:
@@ -110,19 +107,9 @@ def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
         return None
     try:
         return LLMEngine(config)
-    except (ModelLoadError, ValueError, TransferError, MetaError) as err:
+    except (ModelLoadError, ValueError, KVConnectorError) as err:
         print(f"kvpool {prog}: error: {err}", file=sys.stderr)
         return None
-
-
-def read_api_key(path: str) -> str:
-    """The HTTP API key from a file (stripped) or KVPOOL_API_KEY; "" = no key."""
-    if path:
-        key = Path(path).read_text().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {path} is empty")
-        return key
-    return os.environ.get("KVPOOL_API_KEY", "").strip()
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -1,13 +1,13 @@
 """`kvpool`: the one command-line entry point, with vllm-style subcommands.
 
 Each subcommand's module is imported only when it runs, so `kvpool admin` does not load
-the engine. Only this layer reads the environment and configures logging.
+the engine. Only this layer reads the environment and configures logging. `--log-level`
+goes before or after the command (`kvpool --log-level DEBUG serve` = `kvpool serve
+--log-level DEBUG`).
 """
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 
 
@@ -25,30 +25,29 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine import cli as engine_cli
+    from kvpool_bench import demo
+    from kvpool_cli import serve as serve_cli
+    from kvpool_harness import cluster
     from metaserver import admin
     from metaserver import cli as metaserver_cli
 
     parser = argparse.ArgumentParser(prog="kvpool", description="Mooncake-style global KV-cache pool")
-    parser.add_argument("--log-level", default=os.environ.get("KVPOOL_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     metaserver_cli.add_parser(sub)
     admin.add_parser(sub)
-    engine_cli.add_parsers(sub)
-    from kvpool import cluster
-
+    serve_cli.add_parsers(sub)
     cluster.add_parser(sub)
     _add_bench(sub)
-    from kvpool_bench import demo
-
     demo.add_parser(sub)
+    metaserver_cli.add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from metaserver.cli import configure_logging
+
+    configure_logging(args.log_level)
     if args.cmd == "metaserver":
         from metaserver import cli as metaserver_cli
 
@@ -64,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                    "connector": connector_bench.main, "cross-node": cross_node.main, "soak": soak.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
-        from engine import cli as engine_cli
+        from kvpool_cli import serve as serve_cli
 
-        return {"serve": engine_cli.serve, "generate": engine_cli.generate}[args.cmd](args)
+        return {"serve": serve_cli.serve, "generate": serve_cli.generate}[args.cmd](args)
     if args.cmd == "cluster":
-        from kvpool import cluster
+        from kvpool_harness import cluster
 
         return cluster.main(args)
     if args.cmd == "demo":

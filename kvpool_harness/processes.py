@@ -1,4 +1,5 @@
-"""Start and stop real etcd and metaserver processes on loopback (tests, benchmarks, demo).
+"""Start and stop real etcd, metaserver and `kvpool` child processes on loopback (tests,
+benchmarks, demo, `kvpool cluster`).
 
 Each process binds 127.0.0.1 only, logs to a file the caller owns, and is ended by PID.
 `EtcdProcess.restart()` keeps the data folder, so leases and keys survive as in production.
@@ -133,7 +134,8 @@ def wait_serving(address: str, timeout_s: float, service: str = "", security: Cl
 
 
 class ChildProcess:
-    """A `python -m kvpool ...` child on 127.0.0.1 with its log file, ended by PID."""
+    """A `python -m kvpool_cli ...` child (the `kvpool` command) on 127.0.0.1 with its log
+    file, ended by PID."""
 
     def __init__(self, log_path: Path) -> None:
         self.log_path = Path(log_path)
@@ -143,8 +145,9 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool") -> None:
-        """`env`: variables added to this process's environment for the child."""
+    def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool_cli") -> None:
+        """Run `python -m <module> <args>`. `env`: variables added to this process's
+        environment for the child."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf,

@@ -1,5 +1,9 @@
 """The KV connector interface, shaped like vLLM's `KVConnectorBase_V1` (vLLM 0.32).
 
+Where it sits: the engine's scheduler calls the scheduler side, its model runner the worker
+side; an implementation (`connector/`) imports this module, the engine imports no
+implementation (the factory loads one by name).
+
 A connector has two halves, created separately with a role, as in vLLM:
 
 Scheduler side (runs in the scheduler, decides):
@@ -24,24 +28,37 @@ Worker side (runs next to the model and its KV cache, moves bytes):
     wait_for_layer_load(layer_name)      block until one layer's KV is in place
     save_kv_layer(layer_name, kv_layer, attn_metadata)
     wait_for_save()                      block until this step's saves are issued
+    wait_for_loads(request_ids, timeout_s)   (ours) block until those loads finished, bounded
     get_finished(finished_req_ids) -> (sending, recving)   request ids done since the last call
     get_block_ids_with_load_errors() -> set[int]           block ids whose load failed
     get_kv_connector_stats() -> dict                       counters (vLLM returns KVConnectorStats)
     shutdown()
+
+Class attribute `cache_header_bytes`: room the connector needs before each block's payload
+in the engine's cache (the engine lays its cache out with it before the first step).
+Failures to start or serve are raised as `KVConnectorError`.
 """
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from engine.step import KVConnectorOutput
 
 if TYPE_CHECKING:
     import torch
 
-    from connector.config import KVTransferConfig
+    from engine.kv_connector.config import KVTransferConfig
     from engine.request import Request
-    from engine.scheduler.output import SchedulerOutput
+    from engine.step import SchedulerOutput
+
+
+class KVConnectorError(Exception):
+    """A connector could not start or serve (pool, transfer engine or metadata server
+    unavailable). Implementations raise this type, with a one-line message for the user,
+    so that the engine and its CLI never name a connector's own exceptions."""
 
 
 class KVConnectorRole(enum.Enum):
@@ -51,15 +68,6 @@ class KVConnectorRole(enum.Enum):
 
 class KVConnectorMetadata:  # noqa: B903 - the base of every connector's typed metadata (as in vLLM)
     """What the scheduler side hands the worker side for one step."""
-
-
-@dataclass
-class KVConnectorOutput:
-    """What the worker side reports after a step (vLLM's `KVConnectorOutput`)."""
-
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ class EngineContext:
 
 
 class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
+    # Bytes of room before each block's payload in the engine's KV cache (a multiple of 64).
+    cache_header_bytes: int = 0
+
     def __init__(self, config: KVTransferConfig, ctx: EngineContext, role: KVConnectorRole) -> None:
         self.config = config
         self.ctx = ctx
@@ -106,6 +117,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
 
     @abstractmethod
     def wait_for_save(self) -> None: ...
+
+    def wait_for_loads(self, request_ids: frozenset[str], timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Block until the loads of `request_ids` started so far have finished (delivered or
+        failed) or `timeout_s` passed, whichever is first; return at once if none is in flight.
+        Lets the engine wait on completion instead of polling. Default: no wait."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Request ids whose asynchronous sends / receives finished since the last call."""

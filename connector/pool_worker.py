@@ -1,0 +1,193 @@
+"""The pool connector's worker half: the node pool, loads into the cache, saves out of it.
+
+Host-independent: it sees the engine's KV cache as one registered region of blocks at a
+fixed stride, each block one contiguous payload with `header_bytes` of room before it (our
+engine's layout), and takes plain load and save specs (`connector.messages`).
+
+Loads are `NodePool.get` reads straight into the registered cache, one contiguous range per
+block (header room + payload). Completion is polled in `finished_loads()` or awaited in
+`wait_for_loads()` (woken by the read's progress callback, no sleep loop); blocks that
+failed validation come out of `take_load_errors()` for the host to recompute. Saves copy
+newly computed full blocks into the pool; their publication is batched and asynchronous.
+
+Not thread-safe: the host's worker thread owns it (the pool's own threads call back only
+into a `threading.Event`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from connector.messages import LoadSpec, SaveSpec
+from connector.settings import PoolConnectorSettings
+from kvpool.config import PoolConfig
+from kvpool.pool import NodePool, PoolError
+from kvpool.reader import ReadHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferStats:
+    loaded_blocks: int = 0      # blocks delivered and validated
+    failed_blocks: int = 0      # blocks whose load failed (recomputed)
+    saved_blocks: int = 0       # new blocks put into the local pool
+
+
+@dataclass(slots=True)
+class _Load:
+    spec: LoadSpec
+    not_before: float                  # issue time (debug_load_delay_s after the start)
+    handle: ReadHandle | None = None   # None until issued
+
+
+class PoolWorker:
+    def __init__(self, settings: PoolConnectorSettings, fingerprint: str, block_bytes: int) -> None:
+        """Start this node's pool: register it with the transfer engine and the metaserver.
+        Raises what the pool raises (PoolError, TransferError, MetaError, ValueError)."""
+        self.settings = settings
+        self.block_bytes = block_bytes
+        self.stats = TransferStats()
+        cfg = PoolConfig(node_id=settings.node_id, pool_size_bytes=settings.pool_size_bytes, block_bytes=block_bytes,
+                         layout_fingerprint=fingerprint, metaserver=settings.metaserver, transfer=settings.transfer,
+                         lease_ttl_s=settings.lease_ttl_s, read_timeout_s=settings.read_timeout_s)
+        self._client = settings.meta_client()
+        pool = None
+        try:
+            pool = NodePool(cfg, self._client)
+            pool.start()
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            self._client.close()
+            raise
+        self.pool: NodePool | None = pool
+        self._cache_base = 0
+        self._slot_bytes = 0
+        self._header_bytes = 0
+        self._loads: dict[str, _Load] = {}
+        self._recved: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._progress = threading.Event()   # set by the pool's threads when a read batch finishes
+
+    def register_cache(self, base_addr: int, nbytes: int, slot_bytes: int, header_bytes: int) -> None:
+        """The host's KV cache: `nbytes` at `base_addr`, block i's payload at
+        base_addr + i * slot_bytes + header_bytes. Registered as a read destination."""
+        assert self.pool is not None
+        self.pool.register_memory(base_addr, nbytes)
+        self._cache_base, self._slot_bytes, self._header_bytes = base_addr, slot_bytes, header_bytes
+
+    def _payload_addr(self, block_id: int) -> int:
+        return self._cache_base + block_id * self._slot_bytes + self._header_bytes
+
+    # ---- loads ----------------------------------------------------------------------
+
+    def start_loads(self, loads: Iterable[LoadSpec]) -> None:
+        now = time.monotonic()
+        for spec in loads:
+            self._loads[spec.request_id] = _Load(spec, now + self.settings.debug_load_delay_s)
+        self._issue_due(now)
+
+    def _issue_due(self, now: float) -> float | None:
+        """Issue the loads whose time has come; returns the earliest time one is still due."""
+        assert self.pool is not None
+        next_due = None
+        for rid, load in list(self._loads.items()):
+            if load.handle is not None:
+                continue
+            if now < load.not_before:
+                next_due = load.not_before if next_due is None else min(next_due, load.not_before)
+                continue
+            spec = load.spec
+            try:
+                load.handle = self.pool.get(spec.locations, spec.nodes, [self._payload_addr(b) for b in spec.block_ids],
+                                            header_room=True, on_progress=self._progress.set)
+            except PoolError as err:
+                log.warning("load for %s rejected: %s", rid, err)
+                self._finish_load(rid, spec, failed=range(len(spec.block_ids)))
+                continue
+            log.debug("load %s: %d blocks issued", rid, len(spec.block_ids))
+        return next_due
+
+    def _finish_load(self, rid: str, spec: LoadSpec, failed: Iterable[int]) -> None:
+        bad = [spec.block_ids[i] for i in failed]
+        log.debug("load %s: %d blocks done, %d failed", rid, len(spec.block_ids), len(bad))
+        self._load_errors.update(bad)
+        self.stats.failed_blocks += len(bad)
+        self.stats.loaded_blocks += len(spec.block_ids) - len(bad)
+        self._recved.add(rid)
+        del self._loads[rid]
+
+    def _collect(self) -> None:
+        """Move every load whose read has settled to the finished set."""
+        for rid, load in list(self._loads.items()):
+            if load.handle is not None and load.handle.done():
+                assert load.handle.result is not None
+                self._finish_load(rid, load.spec, failed=load.handle.result.failed)
+
+    def wait_for_loads(self, request_ids: Iterable[str], timeout_s: float) -> None:
+        """Block until none of `request_ids` is still loading, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        ids = set(request_ids)
+        while True:
+            self._progress.clear()  # before the check: a batch finishing after it sets it again
+            now = time.monotonic()
+            next_due = self._issue_due(now)
+            self._collect()
+            if ids.isdisjoint(self._loads) or now >= deadline:
+                return
+            self._progress.wait(min(deadline, next_due or deadline) - now)
+
+    def finished_loads(self) -> set[str]:
+        """Request ids whose load finished (delivered or failed) since the last call."""
+        self._issue_due(time.monotonic())
+        self._collect()
+        recved, self._recved = self._recved, set()
+        return recved
+
+    def take_load_errors(self) -> set[int]:
+        """Cache block ids whose load failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ----------------------------------------------------------------------
+
+    def save(self, saves: Sequence[SaveSpec]) -> None:
+        """Copy the blocks into the pool (publication is batched and asynchronous)."""
+        assert self.pool is not None
+        n = self.block_bytes
+        for spec in saves:
+            for b, h in zip(spec.block_ids, spec.block_hashes):
+                if self.pool.put(h, self._payload_addr(b), n):
+                    self.stats.saved_blocks += 1
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """This half's counters (connector_*) and the node pool's (pool_*)."""
+        out: dict[str, float] = {f"connector_{k}": v for k, v in asdict(self.stats).items()}
+        if self.pool is not None:
+            ps, pool = self.pool.stats, self.pool
+            out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
+                       pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
+                       pool_local_hit_blocks=ps.local_hits, pool_published=ps.published,
+                       pool_unpublished=ps.unpublished, pool_blocks=len(pool), pool_slots=pool.num_slots,
+                       pool_publishing=int(pool.publishing))
+        return out
+
+    def close(self) -> None:
+        """Let reads in flight land, unregister the cache, close the pool. Idempotent."""
+        if self.pool is None:
+            return
+        for load in self._loads.values():
+            if load.handle is not None:
+                load.handle.wait()
+        if self._cache_base:
+            self.pool.unregister_memory(self._cache_base)
+            self._cache_base = 0
+        self.pool.close()
+        self.pool = None
+        self._client.close()

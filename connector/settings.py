@@ -1,0 +1,77 @@
+"""The pool connector's settings, read once from `kv_connector_extra_config`.
+
+Both halves and every host (our engine's `MooncakeConnector`, a vLLM plug-in) take these
+instead of reading the free-form JSON themselves.
+
+Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
+metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
+lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, metaserver_tls_ca /
+metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
+drills: wait this long between the query and the read, so a test can kill or overwrite the
+source).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.layout import parse_size
+from kvpool.transfer import TransferConfig
+from metaserver.client import MetaClient
+from metaserver.credentials import ClientSecurity
+
+
+def _default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class PoolConnectorSettings:
+    metaserver: str                    # HOST:PORT[,HOST:PORT] of the metadata servers
+    node_id: str                       # this node's stable id in the pool
+    pool_size_bytes: int               # this node's DRAM pool
+    transfer: TransferConfig           # the transfer engine's protocol, metadata mode, timeouts
+    lease_ttl_s: int = 10              # node lease in the metaserver
+    read_timeout_s: float = 10.0       # a pool read not finished by then fails (capped by kv_load_timeout_s)
+    rpc_timeout_s: float = 5.0         # deadline of the metaserver client's RPCs
+    query_timeout_s: float = 1.0       # deadline of one prefix lookup
+    debug_load_delay_s: float = 0.0    # fault drills only: delay between lookup and read
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    token_file: str = ""
+
+    @classmethod
+    def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
+        """From `KVTransferConfig.extra`; ValueError with a one-line message for a bad value."""
+        metaserver = extra("metaserver", "")
+        if not metaserver:
+            raise ValueError("the mooncake connector needs kv_connector_extra_config.metaserver (HOST:PORT)")
+        try:
+            transfer = TransferConfig(protocol=extra("protocol", "tcp"),
+                                      metadata_server=extra("metadata_server", "P2PHANDSHAKE"),
+                                      device_name=extra("device_name", ""),
+                                      local_hostname=extra("local_hostname", "127.0.0.1"),
+                                      transfer_timeout_s=int(extra("transfer_timeout_s", 5)),
+                                      progress_timeout_s=int(extra("progress_timeout_s", 2)))
+            return cls(metaserver=str(metaserver), node_id=str(extra("node_id", "") or _default_node_id()),
+                       pool_size_bytes=parse_size(extra("pool_size", "1GiB")), transfer=transfer,
+                       lease_ttl_s=int(extra("lease_ttl_s", 10)),
+                       read_timeout_s=min(float(extra("read_timeout_s", 10.0)), load_timeout_s),
+                       rpc_timeout_s=float(extra("rpc_timeout_s", 5.0)),
+                       query_timeout_s=float(extra("query_timeout_s", 1.0)),
+                       debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
+                       tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
+                       tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"kv_connector_extra_config: {err}") from None
+
+    def meta_client(self) -> MetaClient:
+        """A new metaserver client with these credentials (each half owns its own: in vLLM the
+        scheduler and the workers live in different processes)."""
+        security = ClientSecurity.from_files(tls_ca_file=self.tls_ca_file, tls_cert_file=self.tls_cert_file,
+                                             tls_key_file=self.tls_key_file, token_file=self.token_file)
+        return MetaClient(self.metaserver, timeout_s=self.rpc_timeout_s, security=security)

@@ -1,0 +1,139 @@
+"""The scheduler's remote-KV phase: requests whose prefix a KV connector loads.
+
+A request the connector has an external hit for gets blocks for those tokens and waits in
+WAITING_FOR_REMOTE_KVS (skipped, not blocking the queue) until the worker side reports its
+load finished. Then the loaded tokens count as computed, except from the first block that
+failed to load on (recomputed; or the request fails under the `fail` policy). A request
+still loading when it ends keeps its blocks until its load has reported, so no late write
+lands in a block another request owns. Loads hold no running slot and are not preempted.
+
+Not thread-safe: owned by the scheduler, on the engine loop.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.block_pool import KVBlock
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.kv_connector.base import KVConnectorBase_V1
+    from engine.step import KVConnectorOutput
+
+log = logging.getLogger(__name__)
+
+
+class LoadState(enum.Enum):
+    LOADING = "loading"      # not reported yet: skip the request this step
+    DONE = "done"            # loaded (possibly partly): schedule the rest
+    FAILED = "failed"        # the request must end with `error`
+
+
+class RemoteKV:
+    """Lookups through the connector and the bookkeeping of loads in flight."""
+
+    def __init__(self, connector: KVConnectorBase_V1, kv: KVCacheManager, failure_policy: str,
+                 load_timeout_s: float) -> None:
+        self.connector = connector
+        self.kv = kv
+        self.failure_policy = failure_policy
+        self.load_timeout_s = load_timeout_s
+        self._started: dict[str, float] = {}      # request id -> load start, while in flight or unclaimed
+        self._reported: set[str] = set()          # loads the worker side reported, not yet claimed
+        self._invalid_block_ids: set[int] = set()
+        self.remote_hit_tokens = 0                # prompt tokens loaded (counter)
+        self.failed_load_blocks = 0               # blocks whose load failed (counter)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose load has started and not been claimed by the scheduler yet."""
+        return len(self._started)
+
+    def loading_ids(self) -> frozenset[str]:
+        return frozenset(self._started)
+
+    def lookup(self, req: Request, record: bool) -> tuple[list[KVBlock], int, int | None]:
+        """The local prefix hit (blocks, tokens) and the connector's external hit after it in
+        tokens (None: the connector asks to be asked again later). `record` counts the local
+        lookup in the hit-rate counters."""
+        computed, num_cached = self.kv.get_computed_blocks(req, record=record)
+        num_external, _ = self.connector.get_num_new_matched_tokens(req, num_cached)
+        return computed, num_cached, num_external
+
+    def start(self, req: Request, computed: list[KVBlock], num_cached: int, num_external: int) -> bool:
+        """Allocate blocks for the external tokens and park the request while they load.
+        False (and nothing changed) if the blocks do not fit."""
+        req.num_computed_tokens = num_cached
+        new = self.kv.allocate_slots(req, num_external, computed)
+        if new is None:
+            req.num_computed_tokens = 0
+            return False
+        self.connector.update_state_after_alloc(req, [b.block_id for b in new], num_external)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        req.num_external_tokens = num_external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._started[req.request_id] = time.monotonic()
+        return True
+
+    def claim(self, req: Request) -> tuple[LoadState, str]:
+        """Where the load of a WAITING_FOR_REMOTE_KVS request stands. On DONE the request is
+        WAITING again with the loaded tokens computed (up to the first bad block) and cached;
+        on FAILED the second value says why (the caller ends the request)."""
+        rid = req.request_id
+        if rid not in self._reported:
+            if time.monotonic() - self._started[rid] > self.load_timeout_s:
+                return LoadState.FAILED, (f"loading {req.num_external_tokens} tokens of KV timed out after "
+                                          f"{self.load_timeout_s:g} s")
+            return LoadState.LOADING, ""
+        self._reported.discard(rid)
+        del self._started[rid]
+        bs = self.kv.block_size
+        ids = self.kv.block_ids(rid)
+        first, last = req.num_computed_tokens // bs, (req.num_computed_tokens + req.num_external_tokens) // bs
+        bad = next((i for i in range(first, last) if ids[i] in self._invalid_block_ids), None)
+        self._invalid_block_ids.difference_update(ids[first:last])
+        if bad is not None:
+            self.failed_load_blocks += last - bad
+            if self.failure_policy == "fail":
+                return LoadState.FAILED, f"loading KV failed for {last - bad} of {last - first} blocks"
+            log.info("%s: %d of %d loaded blocks failed; recomputing from block %d", rid, last - bad, last - first, bad)
+            last = bad
+        req.num_external_tokens = (last - first) * bs
+        req.num_computed_tokens = last * bs
+        self.remote_hit_tokens += req.num_external_tokens
+        self.kv.cache_computed(req)
+        req.status = RequestStatus.WAITING
+        return LoadState.DONE, ""
+
+    def report(self, output: KVConnectorOutput, requests: dict[str, Request]) -> None:
+        """The worker side's report: finished loads (and failed blocks), finished sends."""
+        self.connector.update_connector_output(output)
+        self._invalid_block_ids |= output.invalid_block_ids
+        for rid in output.finished_recving:
+            req = requests.get(rid)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._reported.add(rid)
+            elif rid in self._started:  # ended while loading: its blocks are free to go now
+                del self._started[rid]
+                self._release(rid)
+        for rid in output.finished_sending:
+            self._release(rid)
+
+    def on_finish(self, req: Request) -> bool:
+        """The request ended: tell the connector; True if its blocks must stay (the connector
+        still sends them, or a load in flight still writes into them)."""
+        rid = req.request_id
+        hold, _ = self.connector.request_finished(req, self.kv.block_ids(rid))
+        if rid in self._reported:  # its load is over but was not claimed yet
+            self._reported.discard(rid)
+            self._started.pop(rid, None)
+        return hold or rid in self._started
+
+    def _release(self, rid: str) -> None:
+        self._invalid_block_ids.difference_update(self.kv.block_ids(rid))
+        self.kv.free_by_id(rid)

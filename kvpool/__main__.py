@@ -1,5 +1,0 @@
-import sys
-
-from kvpool.cli import main
-
-sys.exit(main())
