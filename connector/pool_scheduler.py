@@ -6,15 +6,17 @@ and never sees a host's request or scheduler-output classes, so our engine's
 
 Lookup: one QueryPrefix per request for the chain of full blocks after the local hit,
 remembered per (request, local hit), so the scheduler may ask again at no cost. A failed
-query is a miss (the request computes locally). Loads and saves accumulate until
-`build_meta()` hands them to the worker half.
+query is a miss (the request computes locally). A request whose load failed is offered no
+remote hit again (a host that sends it back to admission, as vLLM's `recompute` policy
+does, would otherwise be offered the same failing blocks forever). Loads and saves
+accumulate until `build_meta()` hands them to the worker half.
 
 Not thread-safe: the host's scheduler thread owns it.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
@@ -53,6 +55,8 @@ class PoolScheduler:
         self.stats = LookupStats()
         self._client = client or settings.meta_client()
         self._hits: dict[str, _Hit] = {}
+        self._loading: dict[str, frozenset[int]] = {}   # request id -> cache blocks its load writes
+        self._load_failed: set[str] = set()             # requests offered no remote hit again
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
 
@@ -61,7 +65,7 @@ class PoolScheduler:
         """Tokens after the local hit (`num_computed_tokens`, block-aligned) the pool can load.
         Leaves the request's last token to compute (its logits start the output). Queries
         once per (request, local hit); later calls answer from memory."""
-        if not self.consume:
+        if not self.consume or request_id in self._load_failed:
             return 0
         bs = self.block_size
         start, end = num_computed_tokens // bs, (num_tokens - 1) // bs
@@ -86,19 +90,33 @@ class PoolScheduler:
         log.debug("query %s: %d of %d blocks hit", request_id, res.num_matched, len(chain))
         return _Hit(num_computed_tokens, res.locations, res.nodes)
 
-    def on_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """The host allocated `block_ids` for the request's first `num_external_tokens`
-        external tokens: plan their load. ValueError if that is more than the lookup found."""
+    def on_alloc(self, request_id: str, block_table: Sequence[int], num_external_tokens: int) -> None:
+        """The host allocated the request's blocks (`block_table`: all of them, from block 0)
+        for its first `num_external_tokens` external tokens after the local hit: plan their
+        load. ValueError if that is more than the lookup found."""
         hit = self._hits.pop(request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
         n = num_external_tokens // self.block_size
-        if n > len(hit.locations) or len(block_ids) < n:
+        first = hit.num_computed_tokens // self.block_size
+        dests = tuple(block_table[first:first + n])
+        if n > len(hit.locations) or len(dests) < n:
             raise ValueError(f"{request_id}: {n} external blocks but {len(hit.locations)} hits "
-                             f"and {len(block_ids)} blocks allocated")
+                             f"and {len(dests)} blocks allocated after the local hit")
         locs = hit.locations[:n]
-        self._loads.append(LoadSpec(request_id, tuple(block_ids[:n]), locs,
+        self._loading[request_id] = frozenset(dests)
+        self._loads.append(LoadSpec(request_id, dests, locs,
                                     {loc.node_id: hit.nodes[loc.node_id] for loc in locs if loc.node_id in hit.nodes}))
+
+    def on_worker_report(self, finished_loads: Iterable[str], invalid_block_ids: set[int]) -> None:
+        """What the worker half reported: loads that finished, cache blocks that failed. A
+        request with a failed block is offered no remote hit again."""
+        if invalid_block_ids:
+            for rid, blocks in self._loading.items():
+                if not blocks.isdisjoint(invalid_block_ids):
+                    self._load_failed.add(rid)
+        for rid in finished_loads:
+            self._loading.pop(rid, None)
 
     def plan_save(self, request_id: str, num_computed_tokens: int, num_new_tokens: int, block_table: Sequence[int],
                   block_hashes: Sequence[bytes]) -> None:
@@ -120,8 +138,10 @@ class PoolScheduler:
         return meta
 
     def forget(self, request_id: str) -> None:
-        """The request ended: drop its remembered lookup."""
+        """The request ended: drop what is remembered about it."""
         self._hits.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        self._load_failed.discard(request_id)
 
     def counters(self) -> dict[str, float]:
         return {f"connector_{k}": v for k, v in asdict(self.stats).items()}

@@ -1,11 +1,11 @@
 """The pool connector's worker half: the node pool, loads into the cache, saves out of it.
 
-Host-independent: it sees the engine's KV cache as one registered region of blocks at a
-fixed stride, each block one contiguous payload with `header_bytes` of room before it (our
-engine's layout), and takes plain load and save specs (`connector.messages`).
+Host-independent: it sees the host's KV cache as one registered region and a
+`connector.cache_layout` saying where each block's bytes lie in it (contiguous with header
+room, or one slice per layer), and takes plain load and save specs (`connector.messages`).
 
-Loads are `NodePool.get` reads straight into the registered cache, one contiguous range per
-block (header room + payload). Completion is polled in `finished_loads()` or awaited in
+Loads are `NodePool.get` reads straight into the registered cache (no staging copy): one
+range per block with header room, else a range per layer slice and one for the header. Completion is polled in `finished_loads()` or awaited in
 `wait_for_loads()` (woken by the read's progress callback, no sleep loop); blocks that
 failed validation come out of `take_load_errors()` for the host to recompute. Saves copy
 newly computed full blocks into the pool; their publication is batched and asynchronous.
@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from connector.cache_layout import CacheLayout
 from connector.messages import LoadSpec, SaveSpec
 from connector.settings import PoolConnectorSettings
 from kvpool.config import PoolConfig
@@ -66,22 +67,18 @@ class PoolWorker:
             raise
         self.pool: NodePool | None = pool
         self._cache_base = 0
-        self._slot_bytes = 0
-        self._header_bytes = 0
+        self._layout: CacheLayout | None = None
         self._loads: dict[str, _Load] = {}
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
         self._progress = threading.Event()   # set by the pool's threads when a read batch finishes
 
-    def register_cache(self, base_addr: int, nbytes: int, slot_bytes: int, header_bytes: int) -> None:
-        """The host's KV cache: `nbytes` at `base_addr`, block i's payload at
-        base_addr + i * slot_bytes + header_bytes. Registered as a read destination."""
+    def register_cache(self, base_addr: int, nbytes: int, layout: CacheLayout) -> None:
+        """The host's KV cache: `nbytes` at `base_addr` (registered once, as one region, as
+        the destination of reads), its blocks where `layout` says."""
         assert self.pool is not None
         self.pool.register_memory(base_addr, nbytes)
-        self._cache_base, self._slot_bytes, self._header_bytes = base_addr, slot_bytes, header_bytes
-
-    def _payload_addr(self, block_id: int) -> int:
-        return self._cache_base + block_id * self._slot_bytes + self._header_bytes
+        self._cache_base, self._layout = base_addr, layout
 
     # ---- loads ----------------------------------------------------------------------
 
@@ -102,9 +99,11 @@ class PoolWorker:
                 next_due = load.not_before if next_due is None else min(next_due, load.not_before)
                 continue
             spec = load.spec
+            layout = self._layout
+            assert layout is not None, "register_cache() before loads"
             try:
-                load.handle = self.pool.get(spec.locations, spec.nodes, [self._payload_addr(b) for b in spec.block_ids],
-                                            header_room=True, on_progress=self._progress.set)
+                load.handle = self.pool.get(spec.locations, spec.nodes, [layout.payload(b) for b in spec.block_ids],
+                                            header_room=layout.header_room, on_progress=self._progress.set)
             except PoolError as err:
                 log.warning("load for %s rejected: %s", rid, err)
                 self._finish_load(rid, spec, failed=range(len(spec.block_ids)))
@@ -157,11 +156,11 @@ class PoolWorker:
 
     def save(self, saves: Sequence[SaveSpec]) -> None:
         """Copy the blocks into the pool (publication is batched and asynchronous)."""
-        assert self.pool is not None
-        n = self.block_bytes
+        assert self.pool is not None and self._layout is not None
+        n, layout = self.block_bytes, self._layout
         for spec in saves:
             for b, h in zip(spec.block_ids, spec.block_hashes):
-                if self.pool.put(h, self._payload_addr(b), n):
+                if self.pool.put(h, layout.payload(b), n):
                     self.stats.saved_blocks += 1
 
     # ---- lifecycle ------------------------------------------------------------------

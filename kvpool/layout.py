@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -30,6 +31,10 @@ HEADER = struct.Struct("<IHHQQQ32s")
 HEADER_BYTES = HEADER.size
 assert HEADER_BYTES == 64
 SLOT_ALIGN = 64
+
+# Where a block's payload is in the caller's memory: one address (contiguous), or the
+# addresses of equal segments in order (a cache laid out per layer, as vLLM's on CPU).
+Payload = int | Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +69,38 @@ def checksum(addr: int, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(view(addr, nbytes))
 
 
-def valid_block(header_addr: int, payload_addr: int, nbytes: int, block_hash: bytes, generation: int) -> bool:
-    """A slot header read to `header_addr` and its payload read to `payload_addr` are the block
-    the index promised: magic, hash, generation and size match, and the payload's checksum
-    matches the header's (a slot overwritten or evicted during the read fails one of them)."""
+def checksum_of(payload: Payload, nbytes: int) -> int:
+    """The checksum of a payload of `nbytes` at one address, or split in equal segments at
+    several (in order): the same value as for the bytes back to back."""
+    if isinstance(payload, int):
+        return checksum(payload, nbytes)
+    h = xxhash.xxh3_64()
+    seg = nbytes // len(payload)
+    for addr in payload:
+        h.update(view(addr, seg))
+    return h.intdigest()
+
+
+def valid_block(header_addr: int, payload: Payload, nbytes: int, block_hash: bytes, generation: int) -> bool:
+    """A slot header read to `header_addr` and its payload read to `payload` (one address, or
+    equal segments at several) are the block the index promised: magic, hash, generation and
+    size match, and the payload's checksum matches the header's (a slot overwritten or evicted
+    during the read fails one of them)."""
     magic, _version, _flags, gen, size, digest, h = HEADER.unpack(ctypes.string_at(header_addr, HEADER_BYTES))
     return (magic == MAGIC and h == block_hash and gen == generation and size == nbytes
-            and checksum(payload_addr, nbytes) == digest)
+            and checksum_of(payload, nbytes) == digest)
 
 
 def memcpy(dst: int, src: int, nbytes: int) -> None:
     ctypes.memmove(dst, src, nbytes)
+
+
+def segments_of(payload: Payload, nbytes: int) -> list[tuple[int, int, int]]:
+    """(address, offset in the payload, bytes) of each segment of a payload."""
+    if isinstance(payload, int):
+        return [(payload, 0, nbytes)]
+    seg = nbytes // len(payload)
+    return [(addr, k * seg, seg) for k, addr in enumerate(payload)]
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)

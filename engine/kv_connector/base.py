@@ -12,7 +12,8 @@ Scheduler side (runs in the scheduler, decides):
         they load asynchronously. May be called repeatedly; no side effects; None = "ask
         again later" (the request is skipped this step).
     update_state_after_alloc(request, blocks, num_external_tokens)
-        the scheduler allocated `blocks` for those tokens; remember where they go.
+        the scheduler allocated blocks for those tokens; `blocks` is the request's whole block
+        table (as in vLLM), the external tokens start after the local hit; remember where they go.
     build_connector_meta(scheduler_output) -> KVConnectorMetadata
         everything the worker side must do this step (a typed dataclass); resets the state.
     update_connector_output(connector_output)

