@@ -55,11 +55,19 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.start_lookup(request.request_id, request.block_hashes, request.num_tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         n = self.scheduler.num_matched_tokens(request.request_id, request.block_hashes, request.num_tokens,
                                               num_computed_tokens)
-        return n, n > 0
+        return n, bool(n)
+
+    def wait_for_lookups(self, timeout_s: float) -> None:
+        assert self.scheduler is not None
+        self.scheduler.wait_for_lookups(timeout_s)
 
     def update_state_after_alloc(self, request: Request, blocks: list[int], num_external_tokens: int) -> None:
         assert self.scheduler is not None

@@ -174,12 +174,19 @@ class KVPoolConnector(KVConnectorBase_V1):
             hashes.append(hashlib.sha256(self._seed + bytes(h)).digest())
         return hashes
 
+    def on_new_request(self, request: Request) -> None:
+        """Start the request's lookup as it arrives (it runs off vLLM's scheduler thread)."""
+        assert self._scheduler is not None
+        self._tracked.setdefault(request.request_id, _Tracked(request, []))
+        self._scheduler.start_lookup(request.request_id, self._pool_hashes(request), request.num_tokens)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """None while the lookup is in flight (vLLM asks again next step); never blocks."""
         assert self._scheduler is not None
         t = self._tracked.setdefault(request.request_id, _Tracked(request, []))
         n = self._scheduler.num_matched_tokens(request.request_id, self._pool_hashes(t.request), request.num_tokens,
                                                num_computed_tokens)
-        return n, n > 0
+        return n, bool(n)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

@@ -6,6 +6,11 @@ does to latency. One invocation runs the same workload twice on a fresh local cl
 Requests are streamed (`stream_options.include_usage`): TTFT is the time to the first
 token chunk, TPOT the mean gap after it, and the final usage tells how many prompt tokens
 hit the node's own prefix cache and how many came from the pool.
+
+`--engine vllm` runs the same on vLLM-CPU nodes with the `KVPoolConnector` plug-in (pool-on)
+or with no connector (pool-off). vLLM's usage does not split the hits, so they come from its
+/metrics (`vllm:prefix_cache_hits`, `vllm:external_prefix_cache_hits`) around the run, and
+the oracle counts in vLLM's 128-token blocks.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle,
 from kvpool_harness.engine_node import read_api_key
 
 BLOCK_SIZE = 16
+BLOCK_SIZES = {"kvpool": BLOCK_SIZE, "vllm": 128}   # the engines' default block sizes (tokens)
+VLLM_COUNTERS = {"local": "vllm:prefix_cache_hits_total", "remote": "vllm:external_prefix_cache_hits_total",
+                 "bytes": "kvpool:pool_bytes_read_total"}
 VOCAB_WARM = 1000  # the token of the warm-up prompts
 
 
@@ -58,6 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=["multi-turn", "trace"], default="multi-turn")
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--engine", choices=["kvpool", "vllm"], default="kvpool",
+                   help="the nodes: ours, or vLLM-CPU (with the KVPoolConnector plug-in when pool-on)")
     p.add_argument("--routing", choices=["round-robin", "random"], default="round-robin")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default="on,off", help="pool configurations to run: on, off or both")
@@ -195,19 +205,22 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
     return [results[r.rid] for r in requests], time.perf_counter() - t0
 
 
-def oracle_hits(results: list[Result]) -> list[int]:
+def oracle_hits(results: list[Result], block_size: int = BLOCK_SIZE) -> list[int]:
     """The oracle's hits on the prompts that were sent (request order): each request leaves
     its prompt and its output but the last token in the infinite cache."""
     return prefix_oracle([r.prompt_ids for r in results], [r.prompt_ids + r.output_ids[:-1] for r in results],
-                         BLOCK_SIZE)
+                         block_size)
 
 
-def summarize(results: list[Result], wall_s: float, bytes_moved: int) -> dict:
-    oracle_tokens = sum(h for h, r in zip(oracle_hits(results), results) if not r.error)
+def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size: int = BLOCK_SIZE,
+              hits: tuple[int, int] | None = None) -> dict:
+    """`hits`: (local, remote) hit tokens of the whole run where the nodes do not report them
+    per request (vLLM)."""
+    oracle_tokens = sum(h for h, r in zip(oracle_hits(results, block_size), results) if not r.error)
     ok = [r for r in results if not r.error]
     prompt = sum(r.prompt_tokens for r in ok)
-    local = sum(r.local_hit_tokens for r in ok)
-    remote = sum(r.remote_hit_tokens for r in ok)
+    local, remote = hits if hits is not None else (sum(r.local_hit_tokens for r in ok),
+                                                   sum(r.remote_hit_tokens for r in ok))
     ttft = [r.ttft_s for r in ok]
     tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -247,12 +260,24 @@ def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequ
     name = "pool-on" if pool_on else "pool-off"
     if args.urls:  # nodes that are already running (their caches may be warm)
         return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests)
-    spec = ClusterSpec(nodes=args.nodes, model=args.model, connector=pool_on, pool_size=args.pool_size,
+    spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=pool_on,
+                       pool_size=args.pool_size,
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
         return measure(args, name, [n.url for n in cluster.nodes], requests)
+
+
+def vllm_counters(urls: list[str]) -> dict[str, float]:
+    """vLLM nodes' hit and pool counters so far (their /metrics), summed over the nodes."""
+    from kvpool_harness.vllm_node import scrape
+
+    totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for u in urls:
+        for key, name in VLLM_COUNTERS.items():
+            totals[key] += scrape(u, name)
+    return totals
 
 
 def pool_bytes_read(urls: list[str]) -> int:
@@ -276,7 +301,8 @@ def measure(args: argparse.Namespace, name: str, urls: list[str],
     """Run the workload against `urls` with a progress bar; summarize it with the pool traffic."""
     from tqdm import tqdm
 
-    before = pool_bytes_read(urls)
+    vllm = getattr(args, "engine", "kvpool") == "vllm"
+    before = vllm_counters(urls) if vllm else pool_bytes_read(urls)
     bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
     try:
         results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
@@ -285,6 +311,10 @@ def measure(args: argparse.Namespace, name: str, urls: list[str],
                                      api_key=args.api_key)
     finally:
         bar.close()
+    if vllm:
+        after = vllm_counters(urls)
+        delta = {k: int(after[k] - before[k]) for k in after}  # type: ignore[index]
+        return summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"])), results
     return summarize(results, wall, pool_bytes_read(urls) - before), results
 
 
@@ -379,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload {args.workload}: {len(requests)} requests"
           + (f" ({replies} continue a conversation with the model's reply)" if replies else
              f", {sum(len(r.prompt) for r in requests):,} prompt tokens")
-          + f", {args.nodes} nodes, routing {args.routing}, {args.concurrency} in flight", flush=True)
+          + f", {args.nodes} {args.engine} nodes, routing {args.routing}, {args.concurrency} in flight", flush=True)
     summaries: dict[str, dict] = {}
     results: dict[str, list[Result]] = {}
     for c in configs:
@@ -395,7 +425,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"outputs pool-on == pool-off (greedy, token for token): {same} of {len(requests)} requests")
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
-    report = {"bench": "cross-node", "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
+    report = {"bench": "cross-node", "engine": args.engine, "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
               "concurrency": args.concurrency,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
               "configs": summaries, "outputs_equal": same,

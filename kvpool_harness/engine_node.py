@@ -37,6 +37,24 @@ def http_json(url: str, body: object | None = None, timeout_s: float = 600) -> t
         return err.code, json.loads(err.read() or b"{}")
 
 
+def wait_healthy(node: ChildProcess, name: str, timeout_s: float) -> None:
+    """Poll the HTTP node's /health until it answers 200; RuntimeError (and the node killed)
+    if it exits or is not ready within `timeout_s`."""
+    url = node.url  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not node.alive():
+            raise RuntimeError(f"{name} exited; see {node.log_path}")
+        try:
+            if http_json(f"{url}/health", timeout_s=1)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    node.kill()
+    raise RuntimeError(f"{name} not ready within {timeout_s:g}s; see {node.log_path}")
+
+
 class EngineProcess(ChildProcess):
     """One `kvpool serve` node; with `metaserver` set it runs `--kv-connector mooncake`."""
 
@@ -72,18 +90,8 @@ class EngineProcess(ChildProcess):
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> EngineProcess:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"engine node {self.node_id} exited; see {self.log_path}")
-            try:
-                if http_json(f"{self.url}/health", timeout_s=1)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"engine node {self.node_id} not ready within {timeout_s:g}s; see {self.log_path}")
+        wait_healthy(self, f"engine node {self.node_id}", timeout_s)
+        return self
 
     def __enter__(self) -> EngineProcess:
         return self.start().wait_ready()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.request
 from pathlib import Path
 
-from kvpool_harness.engine_node import http_json
+from kvpool_harness.engine_node import http_json, wait_healthy
 from kvpool_harness.processes import ChildProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +58,14 @@ def export_model(out_dir: Path | None = None, model: str = "smollm2-135m") -> Pa
     plain.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out_dir)
     return out_dir
+
+
+def scrape(url: str, name: str) -> float:
+    """The value of Prometheus metric `name` on `url`/metrics, summed over its series (0 if absent)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 class VllmProcess(ChildProcess):
@@ -106,28 +113,15 @@ class VllmProcess(ChildProcess):
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> VllmProcess:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"vLLM node {self.node_id} exited; see {self.log_path}")
-            try:
-                if http_json(f"{self.url}/health", timeout_s=1)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"vLLM node {self.node_id} not ready within {timeout_s:g}s; see {self.log_path}")
+        wait_healthy(self, f"vLLM node {self.node_id}", timeout_s)
+        return self
 
     def __enter__(self) -> VllmProcess:
         return self.start().wait_ready()
 
     def metric(self, name: str) -> float:
-        """One unlabelled-or-single-series Prometheus value from /metrics (0 if absent)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
+        """A Prometheus counter from this server's /metrics (see `scrape`)."""
+        return scrape(self.url, name)
 
     def complete(self, prompt: list[int], max_tokens: int = 16) -> dict:
         """A greedy /v1/completions call on token ids; raises on a non-200 answer."""

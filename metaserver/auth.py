@@ -55,6 +55,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "Publish": Access.NODE,
     "Unpublish": Access.NODE,
     "QueryPrefix": Access.QUERY,
+    "QueryPrefixBatch": Access.QUERY,
     "Invalidate": Access.ADMIN,
     "Drain": Access.ADMIN,
     "Stats": Access.QUERY,

@@ -57,6 +57,15 @@ class Registration:
     session_token: str = field(default="", repr=False)  # proof of this registration; secret
 
 
+def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse) -> QueryResult:
+    nodes = [node_from_pb(n) for n in resp.nodes]
+    locations = tuple(
+        BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
+        for i, (k, off, size, gen) in enumerate(zip(resp.node_index, resp.offsets, resp.sizes_bytes,
+                                                    resp.generations)))
+    return QueryResult(locations, {n.node_id: n for n in nodes})
+
+
 class MetaClient:
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0,
                  security: ClientSecurity | None = None) -> None:
@@ -164,12 +173,16 @@ class MetaClient:
                      timeout_s: float | None = None) -> QueryResult:
         resp = self._rpc("QueryPrefix", pb.QueryPrefixRequest(
             namespace=namespace, block_hashes=list(hashes), requester_node_id=requester_node_id), timeout_s)
-        nodes = [node_from_pb(n) for n in resp.nodes]
-        locations = tuple(
-            BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
-            for i, (k, off, size, gen) in enumerate(zip(resp.node_index, resp.offsets, resp.sizes_bytes,
-                                                        resp.generations)))
-        return QueryResult(locations, {n.node_id: n for n in nodes})
+        return _query_result(hashes, resp)
+
+    def query_prefix_batch(self, queries: Sequence[tuple[str, Sequence[bytes]]], requester_node_id: str = "",
+                           timeout_s: float | None = None) -> list[QueryResult]:
+        """Many lookups in one RPC: (namespace, chain) each; result i answers query i as
+        `query_prefix` would."""
+        resp = self._rpc("QueryPrefixBatch", pb.QueryPrefixBatchRequest(queries=[
+            pb.QueryPrefixRequest(namespace=ns, block_hashes=list(chain), requester_node_id=requester_node_id)
+            for ns, chain in queries]), timeout_s)
+        return [_query_result(chain, r) for (_, chain), r in zip(queries, resp.results, strict=True)]
 
     def invalidate(self, *, namespace: str = "", hashes: Sequence[bytes] | None = None, node_id: str = "",
                    by_namespace: bool = False, all: bool = False) -> int:  # noqa: A002 - mirrors the proto

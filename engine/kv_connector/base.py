@@ -7,6 +7,8 @@ implementation (the factory loads one by name).
 A connector has two halves, created separately with a role, as in vLLM:
 
 Scheduler side (runs in the scheduler, decides):
+    on_new_request(request)
+        a request arrived (its block hashes are set): a connector may start its lookup now.
     get_num_new_matched_tokens(request, num_computed_tokens) -> (int | None, bool)
         tokens beyond the local prefix-cache hit that the connector can load, and whether
         they load asynchronously. May be called repeatedly; no side effects; None = "ask
@@ -18,6 +20,8 @@ Scheduler side (runs in the scheduler, decides):
         everything the worker side must do this step (a typed dataclass); resets the state.
     update_connector_output(connector_output)
         what the worker side reported back after the step.
+    wait_for_lookups(timeout_s)          (ours) block until a lookup answers, bounded: the
+        scheduler calls it when it has nothing to run but requests told "ask again later"
     request_finished(request, block_ids) -> (bool, dict | None)
         True = the connector still uses the blocks (the scheduler frees them only when
         `get_finished` reports the request in its sending set); plus kv_transfer_params.
@@ -140,6 +144,12 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
         """Release resources (threads, registrations, sessions). Idempotent."""
 
     # ---- scheduler side -------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """A request arrived (block hashes computed); called once, before it is scheduled."""
+
+    def wait_for_lookups(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Block until a lookup in flight answers or `timeout_s` passed. Default: no wait."""
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]: ...

@@ -88,12 +88,16 @@ class Scheduler:
         self.prefill_tokens = 0                        # prompt tokens computed by the model (counter)
         self._finished_ids: set[str] = set()           # ended since the last schedule(); told to the runner
         self._finished_outside: list[Request] = []     # ended outside a batch (load failures); output next update
+        self._asked_later = False                      # this step, the connector said "ask again later"
 
     # ---- queue management -----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.remote is not None:  # hashes now, so the connector can start its lookup at arrival
+            self.kv.update_hashes(request)
+            self.remote.connector.on_new_request(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -192,6 +196,7 @@ class Scheduler:
             else:
                 computed, num_cached, num_external = remote.lookup(req, record=True)
                 if num_external is None:  # the connector asks to be asked again later
+                    self._asked_later = True
                     skipped.append(req)
                     continue
                 if num_external > 0:
@@ -259,6 +264,9 @@ class Scheduler:
             out.kv_connector_metadata = remote.connector.build_connector_meta(out)
             if not out.scheduled and remote.num_loading:
                 out.loads_to_wait, out.load_wait_s = remote.loading_ids(), IDLE_LOAD_WAIT_S
+            elif not out.scheduled and self._asked_later:  # only lookups in flight: wait on them, not spin
+                remote.connector.wait_for_lookups(IDLE_LOAD_WAIT_S)
+        self._asked_later = False
         return out
 
     # ---- finalize -------------------------------------------------------------------

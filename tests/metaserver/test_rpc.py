@@ -55,6 +55,20 @@ def test_publish_query_invalidate_round_trip(client: MetaClient) -> None:
     assert len(client.list_nodes()) == 2  # invalidation keeps nodes registered
 
 
+def test_batched_queries_answer_each_as_its_own_query_would(client: MetaClient) -> None:
+    client.publish("node-a", recs([0, 1, 2]))
+    client.publish("node-b", recs([10, 11]))
+    chains = [[h(0), h(1), h(2), h(3)], [h(10), h(11)], [h(20)], [h(1)]]
+    batch = client.query_prefix_batch([(NS, c) for c in chains], requester_node_id="node-b")
+    assert [r.num_matched for r in batch] == [3, 2, 0, 1]
+    for chain, got in zip(chains, batch):
+        assert got == client.query_prefix(NS, chain, "node-b")
+    with pytest.raises(InvalidArgument, match="at most 1024 queries"):
+        client.query_prefix_batch([(NS, [h(0)])] * 1025)
+    with pytest.raises(NotFound, match="unknown"):  # one bad query fails the call, as alone
+        client.query_prefix_batch([(NS, [h(0)]), ("no-such-model", [h(0)])])
+
+
 def test_break_in_chain_ends_match(client: MetaClient) -> None:
     client.publish("node-a", recs([0, 1, 3, 4]))
     client.publish("node-b", recs([2]))

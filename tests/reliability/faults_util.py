@@ -77,7 +77,7 @@ class Outcome:
     remote_tokens: int = 0        # prompt tokens loaded from the pool
     local_tokens: int = 0         # prompt tokens hit in the node's own prefix cache
     failed_blocks: int = 0        # blocks whose load failed (recomputed)
-    query_errors: int = 0         # QueryPrefix calls that failed (computed locally)
+    query_errors: int = 0         # lookups that went without an answer: failed, past the deadline, breaker open
     out_ids: list[int] = field(default_factory=list)
     correct: bool | None = None   # output == the connector-off reference
     error: str = ""
@@ -93,7 +93,7 @@ class Outcome:
         if self.failed_blocks:
             return f"recompute ({self.failed_blocks} blocks failed to load)"
         if self.query_errors:
-            return "local compute (query failed)"
+            return "local compute (lookup missed)"
         return "local compute"
 
     def line(self) -> str:
@@ -119,7 +119,10 @@ def ask(node: EngineProcess, prompt: list[int], label: str, with_stats: bool = T
     if with_stats:
         after = node.stats()
         out.failed_blocks = int(after["failed_load_blocks"] - before["failed_load_blocks"])
-        out.query_errors = int(after.get("connector_query_errors", 0) - before.get("connector_query_errors", 0))
+        # The request went on without an answer for one of these reasons (one of them per lookup:
+        # a deadline miss drops the late answer, the open breaker sends nothing).
+        misses = ("lookup_query_errors", "lookup_deadline_misses", "lookup_breaker_skips")
+        out.query_errors = int(sum(after.get(k, 0) - before.get(k, 0) for k in misses))
     return out
 
 

@@ -199,7 +199,7 @@ class Pool:
             assert response.session_token and 1 <= response.lease_ttl_s <= 3600
             if request.node_id not in {held.node_id for held in BASELINE}:
                 self.client.unregister_node(request.node_id, response.lease_id)
-        elif method in ("QueryPrefix", "Stats", "ListNodes", "KeepAlive"):
+        elif method in ("QueryPrefix", "QueryPrefixBatch", "Stats", "ListNodes", "KeepAlive"):
             assert after.state() == before.state(), f"{method} changed the index"
 
 
@@ -269,6 +269,9 @@ MESSAGES: dict[str, st.SearchStrategy[Message]] = {
     "Unpublish": st.builds(pb.UnpublishRequest, node_id=NODE_ID, block_hashes=HASHES),
     "QueryPrefix": st.builds(pb.QueryPrefixRequest, namespace=NAMESPACE, block_hashes=HASHES,
                              requester_node_id=NODE_ID),
+    "QueryPrefixBatch": st.builds(pb.QueryPrefixBatchRequest, queries=st.lists(
+        st.builds(pb.QueryPrefixRequest, namespace=NAMESPACE, block_hashes=HASHES, requester_node_id=NODE_ID),
+        max_size=4)),
     "Invalidate": invalidate_requests(),
     "Drain": st.builds(pb.DrainRequest, node_id=NODE_ID),
     "Stats": st.just(pb.StatsRequest()),

@@ -150,6 +150,18 @@ class QueryPrefixResponse(_message.Message):
     generations: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class QueryPrefixBatchRequest(_message.Message):
+    __slots__ = ("queries",)
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[QueryPrefixRequest]
+    def __init__(self, queries: _Optional[_Iterable[_Union[QueryPrefixRequest, _Mapping]]] = ...) -> None: ...
+
+class QueryPrefixBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[QueryPrefixResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[QueryPrefixResponse, _Mapping]]] = ...) -> None: ...
+
 class HashList(_message.Message):
     __slots__ = ("block_hashes",)
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class MetaServiceStub:
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixResponse.FromString,
                 _registered_method=True)
+        self.QueryPrefixBatch = channel.unary_unary(
+                '/kvpool.v1.MetaService/QueryPrefixBatch',
+                request_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.FromString,
+                _registered_method=True)
         self.Invalidate = channel.unary_unary(
                 '/kvpool.v1.MetaService/Invalidate',
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.InvalidateRequest.SerializeToString,
@@ -141,6 +146,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def QueryPrefixBatch(self, request, context):
+        """either token
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Invalidate(self, request, context):
         """admin token
         """
@@ -201,6 +213,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.QueryPrefix,
                     request_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixResponse.SerializeToString,
+            ),
+            'QueryPrefixBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryPrefixBatch,
+                    request_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.SerializeToString,
             ),
             'Invalidate': grpc.unary_unary_rpc_method_handler(
                     servicer.Invalidate,
@@ -390,6 +407,33 @@ class MetaService:
             '/kvpool.v1.MetaService/QueryPrefix',
             kvpool_dot_v1_dot_meta__pb2.QueryPrefixRequest.SerializeToString,
             kvpool_dot_v1_dot_meta__pb2.QueryPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryPrefixBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MetaService/QueryPrefixBatch',
+            kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.SerializeToString,
+            kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
