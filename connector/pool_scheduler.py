@@ -20,6 +20,7 @@ Not thread-safe: the host's scheduler thread owns it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,53 @@ from metaserver.client import MetaClient
 from metaserver.types import BlockHash, BlockLocation, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
+
+
+class FailedReads:
+    """A reader's short negative cache: the sources and blocks whose reads just failed.
+
+    A source all of whose blocks in one load failed (dead, frozen, unreachable) is suspect for
+    `suspect_s`: no lookup answer offers a block on it meanwhile. A single block that failed
+    while others from its source arrived (evicted or overwritten there) is avoided alone. So
+    after a node dies, this reader pays one failed read for it, not one per request until the
+    node's lease expires in the index."""
+
+    def __init__(self, suspect_s: float) -> None:
+        self.suspect_s = suspect_s
+        self._nodes: dict[str, float] = {}                # node id -> suspect until (monotonic)
+        self._blocks: dict[tuple[str, bytes, int], float] = {}  # (node, hash, generation) -> until
+        self.skipped_blocks = 0                           # blocks not offered because of it (counter)
+
+    def record(self, locations: Sequence[BlockLocation], failed: Sequence[int]) -> None:
+        until = time.monotonic() + self.suspect_s
+        per_node: dict[str, list[int]] = {}
+        for i, loc in enumerate(locations):
+            per_node.setdefault(loc.node_id, []).append(i)
+        bad = set(failed)
+        for node, idx in per_node.items():
+            if bad.issuperset(idx):
+                self._nodes[node] = until
+                log.warning("reads from node %s failed: not offering its blocks for %.0f s", node, self.suspect_s)
+            else:
+                for i in bad.intersection(idx):
+                    loc = locations[i]
+                    self._blocks[(loc.node_id, loc.block_hash, loc.generation)] = until
+
+    def usable(self, locations: Sequence[BlockLocation]) -> int:
+        """How many leading locations may be offered."""
+        if not self._nodes and not self._blocks:
+            return len(locations)
+        now = time.monotonic()
+        self._nodes = {n: t for n, t in self._nodes.items() if t > now}
+        self._blocks = {k: t for k, t in self._blocks.items() if t > now}
+        for i, loc in enumerate(locations):
+            if loc.node_id in self._nodes or (loc.node_id, loc.block_hash, loc.generation) in self._blocks:
+                self.skipped_blocks += len(locations) - i
+                return i
+        return len(locations)
+
+    def counters(self) -> dict[str, float]:
+        return {"connector_suspect_nodes": len(self._nodes), "connector_avoided_blocks": self.skipped_blocks}
 
 
 @dataclass(slots=True)
@@ -56,7 +104,8 @@ class PoolScheduler:
                                 settings.lookup_deadline_s)
         self._asked: dict[str, int] = {}                # request id -> blocks its lookup asked for
         self._hits: dict[str, _Hit] = {}
-        self._loading: dict[str, frozenset[int]] = {}   # request id -> cache blocks its load writes
+        self._loading: dict[str, LoadSpec] = {}         # request id -> its load in flight
+        self._avoid = FailedReads(settings.suspect_s)   # sources and blocks whose reads just failed
         self._load_failed: set[str] = set()             # requests offered no remote hit again
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
@@ -89,6 +138,9 @@ class PoolScheduler:
             hit = _Hit(end, res.locations, res.nodes) if res is not None else _Hit(end, (), {})
             self.hit_blocks += len(hit.locations)
             self._hits[request_id] = hit
+        usable = self._avoid.usable(hit.locations)  # the answer, cut at a source or block that just failed
+        if usable < len(hit.locations):
+            hit.locations = hit.locations[:usable]
         hit.start = start
         return max(0, len(hit.locations) - start) * bs
 
@@ -111,17 +163,21 @@ class PoolScheduler:
         if len(locs) < n or len(dests) < n:
             raise ValueError(f"{request_id}: {n} external blocks but {len(locs)} hits "
                              f"and {len(dests)} blocks allocated after the local hit")
-        self._loading[request_id] = frozenset(dests)
-        self._loads.append(LoadSpec(request_id, dests, locs,
-                                    {loc.node_id: hit.nodes[loc.node_id] for loc in locs if loc.node_id in hit.nodes}))
+        spec = LoadSpec(request_id, dests, locs,
+                        {loc.node_id: hit.nodes[loc.node_id] for loc in locs if loc.node_id in hit.nodes})
+        self._loading[request_id] = spec
+        self._loads.append(spec)
 
     def on_worker_report(self, finished_loads: Iterable[str], invalid_block_ids: set[int]) -> None:
         """What the worker half reported: loads that finished, cache blocks that failed. A
-        request with a failed block is offered no remote hit again."""
+        request with a failed block is offered no remote hit again, and the failed reads feed
+        the negative cache (`FailedReads`) that every later lookup answer is cut by."""
         if invalid_block_ids:
-            for rid, blocks in self._loading.items():
-                if not blocks.isdisjoint(invalid_block_ids):
+            for rid, spec in self._loading.items():
+                failed = [i for i, b in enumerate(spec.block_ids) if b in invalid_block_ids]
+                if failed:
                     self._load_failed.add(rid)
+                    self._avoid.record(spec.locations, failed)
         for rid in finished_loads:
             self._loading.pop(rid, None)
 
@@ -154,7 +210,7 @@ class PoolScheduler:
 
     def counters(self) -> dict[str, float]:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""
-        return {"connector_hit_blocks": self.hit_blocks, **self._lookups.counters()}
+        return {"connector_hit_blocks": self.hit_blocks, **self._lookups.counters(), **self._avoid.counters()}
 
     def close(self) -> None:
         self._lookups.close()

@@ -5,7 +5,7 @@ instead of reading the free-form JSON themselves.
 
 Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
-lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, metaserver_tls_ca /
+lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, metaserver_tls_ca /
 metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
 drills: wait this long between the query and the read, so a test can kill or overwrite the
 source).
@@ -39,6 +39,7 @@ class PoolConnectorSettings:
     rpc_timeout_s: float = 5.0         # deadline of the metaserver client's RPCs
     query_timeout_s: float = 1.0       # deadline of one lookup RPC (on the lookup thread)
     lookup_deadline_s: float = 0.1     # a request waits this long for its lookup, then goes on locally
+    suspect_s: float = 5.0             # a source whose reads all failed is not offered for this long
     debug_load_delay_s: float = 0.0    # fault drills only: delay between lookup and read
     tls_ca_file: str = ""
     tls_cert_file: str = ""
@@ -65,6 +66,7 @@ class PoolConnectorSettings:
                        rpc_timeout_s=float(extra("rpc_timeout_s", 5.0)),
                        query_timeout_s=float(extra("query_timeout_s", 1.0)),
                        lookup_deadline_s=float(extra("lookup_deadline_s", 0.1)),
+                       suspect_s=float(extra("suspect_s", 5.0)),
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))

@@ -73,6 +73,9 @@ reader = _locked(notify=False)
 writer = _locked(notify=True)
 
 
+MAX_BATCH_QUERIES = 1024  # lookups in one QueryPrefixBatch (each still bounded by max_query_hashes)
+
+
 @dataclass
 class Counters:
     queries: int = 0
@@ -339,6 +342,9 @@ class MetaService:
     @reader
     def query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
         """Longest present prefix; never waits for etcd (see BlockIndex.query)."""
+        return self._query(namespace, hashes, requester)
+
+    def _query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
         self._check_hashes(hashes, self.config.max_query_hashes, "query")
         ns = self._check_namespace(namespace)
         result = self.index.query(ns, cast(list[BlockHash], hashes), NodeId(requester) if requester else None)
@@ -346,6 +352,17 @@ class MetaService:
         self.counters.query_blocks += len(hashes)
         self.counters.query_hit_blocks += result.num_matched
         return result
+
+    @reader
+    def query_batch(self, queries: Sequence[tuple[str, Sequence[bytes], str]]) -> list[QueryResult]:
+        """Many `query` calls as one: all checked first, so a bad one fails the whole batch and
+        none is answered or counted."""
+        if len(queries) > MAX_BATCH_QUERIES:
+            raise InvalidArgument(f"QueryPrefixBatch takes at most {MAX_BATCH_QUERIES} queries, got {len(queries)}")
+        for namespace, hashes, _ in queries:
+            self._check_hashes(hashes, self.config.max_query_hashes, "query")
+            self._check_namespace(namespace)
+        return [self._query(ns, hashes, requester) for ns, hashes, requester in queries]
 
     def _delete_copies(self, dropped: Sequence[tuple[NodeId, BlockHash]]) -> int:
         for node_id, h in dropped:

@@ -48,9 +48,6 @@ def query_response(result: QueryResult) -> pb.QueryPrefixResponse:
         sizes_bytes=[loc.size_bytes for loc in locs], generations=[loc.generation for loc in locs])
 
 
-MAX_BATCH_QUERIES = 1024  # lookups in one QueryPrefixBatch (each still bounded by max_query_hashes)
-
-
 def _call(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
     """Run a domain call; a MetaError aborts the RPC with its status and message."""
     try:
@@ -159,14 +156,9 @@ class MetaServicer:
 
     def QueryPrefixBatch(self, request: pb.QueryPrefixBatchRequest, context: grpc.ServicerContext,
                          caller: Caller) -> pb.QueryPrefixBatchResponse:
-        def run() -> list[QueryResult]:
-            if len(request.queries) > MAX_BATCH_QUERIES:
-                raise InvalidArgument(f"QueryPrefixBatch takes at most {MAX_BATCH_QUERIES} queries, "
-                                      f"got {len(request.queries)}")
-            return [self.service.query(q.namespace, list(q.block_hashes), q.requester_node_id)
-                    for q in request.queries]
-
-        return pb.QueryPrefixBatchResponse(results=[query_response(r) for r in _call(context, run)])
+        results = _call(context, lambda: self.service.query_batch(
+            [(q.namespace, list(q.block_hashes), q.requester_node_id) for q in request.queries]))
+        return pb.QueryPrefixBatchResponse(results=[query_response(r) for r in results])
 
     def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext,
                    caller: Caller) -> pb.InvalidateResponse:

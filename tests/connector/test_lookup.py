@@ -27,6 +27,9 @@ class ScriptedClient:
         self.gate.set()
         self.fail = False
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def query_prefix_batch(self, queries: Sequence[tuple[str, Sequence[bytes]]], requester_node_id: str = "",
                            timeout_s: float | None = None) -> list[QueryResult]:
         self.gate.wait(10)
@@ -115,3 +118,74 @@ def test_forgotten_lookups_leave_nothing_behind(client: ScriptedClient) -> None:
         assert not lk._submitted and not lk._results and not lk._queued
     finally:
         lk.close()
+
+
+# ---- the scheduler half over it: answers never block, failed reads feed back -------------
+
+class TwoNodeClient(ScriptedClient):
+    """Every block of a chain is present: blocks 0-1 on node "a", the rest on node "b"."""
+
+    def query_prefix_batch(self, queries, requester_node_id="", timeout_s=None):  # noqa: ANN001, ANN201
+        self.gate.wait(10)
+        self.calls.append(len(queries))
+        return [QueryResult(tuple(BlockLocation(BlockHash(h), NodeId("a" if i < 2 else "b"), i * 64, 64, 1)
+                                  for i, h in enumerate(chain)), {}) for _, chain in queries]
+
+
+def scheduler(client: ScriptedClient):  # noqa: ANN201
+    from connector.pool_scheduler import PoolScheduler
+    from connector.settings import PoolConnectorSettings
+
+    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30}
+    settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
+    return PoolScheduler(settings, "ns", 4, consume=True, produce=False, client=client)
+
+
+def hashes(seed: int, n: int) -> list[bytes]:
+    return [bytes([seed, i]) * 16 for i in range(n)]
+
+
+def matched(ps, rid: str, chain: list[bytes], computed: int = 0) -> int:  # noqa: ANN001
+    """Ask like a host does, step after step, until the answer is in (never blocking)."""
+    ps.start_lookup(rid, chain, len(chain) * 4 + 1)
+    return wait_for(lambda: (n := ps.num_matched_tokens(rid, chain, len(chain) * 4 + 1, computed)) is not None
+                    and (n,))[0]
+
+
+def test_an_answer_in_flight_is_ask_again_later_then_the_hit() -> None:
+    client = TwoNodeClient()
+    ps = scheduler(client)
+    try:
+        client.gate.clear()
+        chain = hashes(1, 5)
+        ps.start_lookup("r", chain, 21)
+        assert ps.num_matched_tokens("r", chain, 21, 0) is None     # in flight: never blocks
+        client.gate.set()
+        assert matched(ps, "r", chain) == 20
+        assert ps.num_matched_tokens("r", chain, 21, 8) == 12       # after a local hit of 2 blocks: no new RPC
+        assert sum(client.calls) == 1
+    finally:
+        ps.close()
+
+
+def test_a_dead_source_is_paid_for_once_and_a_bad_block_alone() -> None:
+    client = TwoNodeClient()
+    ps = scheduler(client)
+    try:
+        chain = hashes(2, 5)
+        assert matched(ps, "r1", chain) == 20
+        ps.on_alloc("r1", list(range(100, 105)), 20)
+        ps.build_meta()
+        ps.on_worker_report({"r1"}, {102, 103, 104})                # every block from node b failed
+        assert ps.num_matched_tokens("r1", chain, 21, 0) == 0       # that request: no remote hit again
+        assert matched(ps, "r2", hashes(3, 5)) == 8                 # any other: cut before node b's blocks
+        assert ps.counters()["connector_suspect_nodes"] == 1
+        assert matched(ps, "r3", hashes(4, 5)) == 20 - 12 and client.calls
+        ps.on_alloc("r3", list(range(200, 205)), 8)
+        ps.build_meta()
+        ps.on_worker_report({"r3"}, {200})                          # one block of node a: only that block
+        assert ps.counters()["connector_suspect_nodes"] == 1
+        assert matched(ps, "r4", hashes(4, 5)) == 0                 # its first block is the bad one
+        assert matched(ps, "r5", hashes(5, 5)) == 8                 # node a's other blocks still offered
+    finally:
+        ps.close()

@@ -155,6 +155,40 @@ def test_metaserver_killed_and_restarted(pool: Pool, record: FaultRecord) -> Non
     verify(pool, record)
 
 
+def test_metaserver_frozen_breaker_opens_and_closes(pool: Pool, record: FaultRecord) -> None:
+    """Every replica frozen (SIGSTOP): lookups time out on the connector's lookup thread, never
+    on the engine's; each request waits at most the lookup deadline and is computed locally,
+    correctly. After three failed lookup calls the breaker opens and requests are answered
+    "no hit" without an RPC. After SIGCONT a probe closes it and remote hits come back."""
+    a, b = pool.a, pool.b
+    pa, pa_full = prompt_pair(900)
+    t0 = time.monotonic()
+    for m in pool.replicas:
+        pool.freeze(m.pid)
+    try:
+        expect(record, ask(a, pa, "A computes P9 (metaserver frozen)"))
+        for i in range(12):  # until the breaker opens (each failed call waits its RPC deadline)
+            o = expect(record, ask(b, prompt_pair(910 + i)[0], f"B computes P9.{i} (metaserver frozen)"))
+            assert o.remote_tokens == 0 and o.latency_s < 5, o.line()
+            if b.stats().get("lookup_breaker_open"):
+                break
+        record.timings["freeze -> B's lookup breaker open"] = since(t0)
+        skips = b.stats()["lookup_breaker_skips"]
+        o = expect(record, ask(b, prompt_pair(930)[0], "B computes P9.x (breaker open)"))
+        assert b.stats()["lookup_breaker_skips"] > skips and o.remote_tokens == 0
+    finally:
+        for m in pool.replicas:
+            pool.thaw(m.pid)
+    t1 = time.monotonic()
+    wait_for(lambda: not b.stats()["lookup_breaker_open"], timeout_s=30, interval_s=0.05)
+    record.timings["SIGCONT -> B's breaker closed"] = since(t1)
+    assert b.stats()["lookup_breaker_closes"] >= 1
+    pool.wait_indexed(pa, "node-a")
+    hit = expect(record, ask(b, pa_full, "B: P9+suffix (after SIGCONT)"))
+    assert hit.remote_tokens == PREFIX_TOKENS
+    verify(pool, record)
+
+
 def test_blocks_computed_during_metaserver_outage_are_shared_after_restart(pool: Pool, record: FaultRecord) -> None:
     """B computes a prompt while every replica is down; its Publish gives up (rpc deadline,
     5 s) before the replicas come back; B's 30 s lease survives. After the restart the
@@ -352,9 +386,11 @@ def test_source_frozen_during_read(pool: Pool, record: FaultRecord) -> None:
     """B reads from A once (its transfer engine knows A), then A is stopped while B waits
     to read A's blocks: B's read times out (transfer timeouts of 1 s, read timeout 2 s from
     its extra config), B recomputes and answers correctly. After SIGCONT, A serves again
-    and B reads what A computes."""
+    and B reads what A computes once its suspect period for A (5 s) is over."""
     a, b = pool.a, pool.b
-    for k in range(3):  # a remote hit first (it may take a retry after the previous test's freeze)
+    # A remote hit first. After the previous test's freeze B's reads from A all failed, so B
+    # avoids A for its suspect_s (5 s, the connector's negative cache): retries until then.
+    for k in range(8):
         pk, fk = prompt_pair(240 + k)
         expect(record, ask(a, pk, f"A computes P2w.{k}"))
         pool.wait_indexed(pk, "node-a", timeout_s=30)
@@ -378,7 +414,7 @@ def test_source_frozen_during_read(pool: Pool, record: FaultRecord) -> None:
 
     t1 = time.monotonic()
     pool.thaw(a.pid)
-    for k in range(4):
+    for k in range(10):  # B avoids A for its suspect_s (5 s) after the failed read: retries until then
         pk, fk = prompt_pair(210 + k)
         oa = expect(record, ask(a, pk, f"A computes P2.{k} (after SIGCONT)"))
         if k == 0:
