@@ -24,9 +24,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from connector.lookup import Lookups, LookupState
 from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
 from connector.settings import PoolConnectorSettings
-from connector.lookup import Lookups, LookupState
 from metaserver.client import MetaClient
 from metaserver.types import BlockHash, BlockLocation, NodeId, NodeRecord
 

@@ -5,8 +5,9 @@ Host-independent: it sees the host's KV cache as one registered region and a
 room, or one slice per layer), and takes plain load and save specs (`connector.messages`).
 
 Loads are `NodePool.get` reads straight into the registered cache (no staging copy): one
-range per block with header room, else a range per layer slice and one for the header. Completion is polled in `finished_loads()` or awaited in
-`wait_for_loads()` (woken by the read's progress callback, no sleep loop); blocks that
+range per block with header room, else a range per layer slice and one for the header.
+Completion is polled in `finished_loads()` or awaited in `wait_for_loads()` (woken by the
+read's progress callback, no sleep loop); blocks that
 failed validation come out of `take_load_errors()` for the host to recompute. Saves copy
 newly computed full blocks into the pool; their publication is batched and asynchronous.
 
