@@ -11,6 +11,10 @@ opens: lookups answer "no remote hit" at once, without an RPC. While it is open 
 probes the metaserver (an empty batch) every `probe_interval_s`; the first answer closes
 it. Transitions are logged and counted (`counters()`), the state is a gauge.
 
+Failed reads: `report_failed_read` queues a report that the same thread sends before its
+next batch (`MetaClient.report_failed_read`: the metaserver stops offering a source that did
+not answer, or drops stale copies), so other readers do not pay the same failed read.
+
 Threading: `submit`, `poll`, `forget` are called by the host's scheduler thread; results
 are filled in by the lookup thread; one lock guards both, and an Event tells a waiting
 host that some result arrived.
@@ -49,6 +53,7 @@ class LookupStats:
     breaker_opens: int = 0
     breaker_closes: int = 0
     breaker_open: int = 0       # gauge: 1 while open
+    failed_read_reports: int = 0  # failed reads reported to the metaserver
 
 
 class Lookups:
@@ -68,6 +73,7 @@ class Lookups:
         self._work = threading.Condition(self._lock)
         self.answered = threading.Event()      # set whenever a result arrives (a waiting host wakes)
         self._queued: dict[str, tuple[bytes, ...]] = {}   # not sent yet
+        self._reports: list[tuple[str, list[bytes]]] = []  # failed reads not reported yet
         self._submitted: dict[str, float] = {}            # request id -> submit time, until forgotten
         self._results: dict[str, QueryResult | None] = {}  # None: failed
         self._failures = 0                                 # consecutive failed calls
@@ -107,6 +113,14 @@ class Lookups:
                 return LookupState.MISS, None
             return LookupState.PENDING, None
 
+    def report_failed_read(self, source: str, hashes: Sequence[bytes]) -> None:
+        """Queue a failed-read report (no hashes: the source did not answer at all); sent by
+        the lookup thread, dropped while the breaker is open (the metaserver is not answering)."""
+        with self._lock:
+            if not self._open:
+                self._reports.append((source, list(hashes)))
+                self._work.notify()
+
     def submitted(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._submitted
@@ -138,19 +152,30 @@ class Lookups:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and (self._open or not self._queued):
-                    if self._open:
-                        break
+                while not self._stop and not self._open and not self._queued and not self._reports:
                     self._work.wait()
                 if self._stop:
                     return
                 probing = self._open
+                reports, self._reports = ([], self._reports) if probing else (self._reports, [])
                 batch = [] if probing else list(self._queued.items())[:MAX_BATCH]
                 for rid, _ in batch:
                     del self._queued[rid]
             if probing:
                 time.sleep(self._probe_interval_s)
-            self._call(batch)
+            self._report(reports)
+            if batch or probing:
+                self._call(batch)
+
+    def _report(self, reports: list[tuple[str, list[bytes]]]) -> None:
+        for source, hashes in reports:
+            try:
+                self._client.report_failed_read(source, hashes, self._requester, timeout_s=self._timeout_s)
+            except MetaError as err:  # the report is a hint: the reader's own negative cache still holds
+                log.info("could not report failed reads from %s: %s", source, err)
+                continue
+            with self._lock:
+                self.stats.failed_read_reports += 1
 
     def _call(self, batch: list[tuple[str, tuple[bytes, ...]]]) -> None:
         try:

@@ -48,20 +48,27 @@ class FailedReads:
         self._blocks: dict[tuple[str, bytes, int], float] = {}  # (node, hash, generation) -> until
         self.skipped_blocks = 0                           # blocks not offered because of it (counter)
 
-    def record(self, locations: Sequence[BlockLocation], failed: Sequence[int]) -> None:
+    def record(self, locations: Sequence[BlockLocation], failed: Sequence[int]) -> list[tuple[str, list[bytes]]]:
+        """Remember the failed reads of one load (`failed`: indexes into `locations`); returns
+        what to tell the metaserver: (source, []) for a source none of whose blocks arrived,
+        (source, hashes) for single blocks that failed on a source that answered."""
         until = time.monotonic() + self.suspect_s
         per_node: dict[str, list[int]] = {}
         for i, loc in enumerate(locations):
             per_node.setdefault(loc.node_id, []).append(i)
         bad = set(failed)
+        reports: list[tuple[str, list[bytes]]] = []
         for node, idx in per_node.items():
             if bad.issuperset(idx):
                 self._nodes[node] = until
+                reports.append((node, []))
                 log.warning("reads from node %s failed: not offering its blocks for %.0f s", node, self.suspect_s)
-            else:
+            elif bad.intersection(idx):
                 for i in bad.intersection(idx):
                     loc = locations[i]
                     self._blocks[(loc.node_id, loc.block_hash, loc.generation)] = until
+                reports.append((node, [locations[i].block_hash for i in sorted(bad.intersection(idx))]))
+        return reports
 
     def usable(self, locations: Sequence[BlockLocation]) -> int:
         """How many leading locations may be offered."""
@@ -171,13 +178,15 @@ class PoolScheduler:
     def on_worker_report(self, finished_loads: Iterable[str], invalid_block_ids: set[int]) -> None:
         """What the worker half reported: loads that finished, cache blocks that failed. A
         request with a failed block is offered no remote hit again, and the failed reads feed
-        the negative cache (`FailedReads`) that every later lookup answer is cut by."""
+        the negative cache (`FailedReads`) that every later lookup answer is cut by, and the
+        metaserver hears of them (off this thread), so other readers are not offered them."""
         if invalid_block_ids:
             for rid, spec in self._loading.items():
                 failed = [i for i, b in enumerate(spec.block_ids) if b in invalid_block_ids]
                 if failed:
                     self._load_failed.add(rid)
-                    self._avoid.record(spec.locations, failed)
+                    for source, hashes in self._avoid.record(spec.locations, failed):
+                        self._lookups.report_failed_read(source, hashes)
         for rid in finished_loads:
             self._loading.pop(rid, None)
 

@@ -7,8 +7,8 @@ proof against the node record, under its lock, so the check and the change are a
 Two shared secrets, configured on the server (`--admin-token-file`, `--node-token-file`):
 - the admin token may make every call, for any node;
 - the node token may make node calls (RegisterNode, KeepAlive, UnregisterNode, Publish,
-  Unpublish) and queries, but only for a node whose session proof it carries: RegisterNode
-  returns a fresh random session token, whose SHA-256 is kept in the node's etcd record
+  Unpublish), queries and failed-read reports, the node calls only for a node whose session
+  proof it carries: RegisterNode returns a fresh random session token, whose SHA-256 is kept in the node's etcd record
   (so every replica can check it), and later calls for that node must send the token as
   `kvpool-node-session` metadata. A node token can thus not act for another node, nor
   replace another node's live registration.
@@ -56,6 +56,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "Unpublish": Access.NODE,
     "QueryPrefix": Access.QUERY,
     "QueryPrefixBatch": Access.QUERY,
+    "ReportFailedRead": Access.QUERY,
     "Invalidate": Access.ADMIN,
     "Drain": Access.ADMIN,
     "Stats": Access.QUERY,

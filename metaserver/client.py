@@ -184,6 +184,15 @@ class MetaClient:
             for ns, chain in queries]), timeout_s)
         return [_query_result(chain, r) for (_, chain), r in zip(queries, resp.results, strict=True)]
 
+    def report_failed_read(self, source_node_id: str, block_hashes: Sequence[bytes] = (),
+                           reporter_node_id: str = "", timeout_s: float | None = None) -> tuple[int, bool]:
+        """Tell the metaserver a read from the source failed (no hashes: the whole node did not
+        answer); returns (copies dropped, source now suspect)."""
+        resp = self._rpc("ReportFailedRead", pb.ReportFailedReadRequest(
+            reporter_node_id=reporter_node_id, source_node_id=source_node_id, block_hashes=list(block_hashes)),
+            timeout_s)
+        return resp.num_removed, resp.source_suspect
+
     def invalidate(self, *, namespace: str = "", hashes: Sequence[bytes] | None = None, node_id: str = "",
                    by_namespace: bool = False, all: bool = False) -> int:  # noqa: A002 - mirrors the proto
         req = pb.InvalidateRequest(namespace=namespace)

@@ -8,6 +8,7 @@ Not thread-safe: the metaserver uses it from one asyncio event loop.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace,
@@ -22,6 +23,8 @@ class BlockIndex:
         self._node_hashes: dict[NodeId, set[BlockHash]] = {}
         # Blocks handed out as a read source since start: spreads reads across holders.
         self._source_load: dict[NodeId, int] = {}
+        # Nodes a reader could not read from: not offered until this (monotonic) time.
+        self._suspect: dict[NodeId, float] = {}
 
     # ---- nodes ----------------------------------------------------------------------
 
@@ -45,7 +48,27 @@ class BlockIndex:
         self.nodes.pop(node_id, None)
         self._node_hashes.pop(node_id, None)
         self._source_load.pop(node_id, None)
+        self._suspect.pop(node_id, None)
         return dropped
+
+    def mark_suspect(self, node_id: NodeId, for_s: float) -> bool:
+        """No query offers the node's blocks for `for_s` seconds (or until `clear_suspect`);
+        its entries stay, so a node that was only frozen is a source again at once when it
+        answers. False if the node is unknown."""
+        if node_id not in self.nodes:
+            return False
+        self._suspect[node_id] = time.monotonic() + for_s
+        return True
+
+    def clear_suspect(self, node_id: NodeId) -> bool:
+        """The node showed it is alive (a keepalive): offer its blocks again. True if it was suspect."""
+        return self._suspect.pop(node_id, None) is not None
+
+    def suspects(self) -> list[NodeId]:
+        """Nodes suspect now (expired marks are dropped)."""
+        now = time.monotonic()
+        self._suspect = {n: t for n, t in self._suspect.items() if t > now}
+        return sorted(self._suspect)
 
     # ---- blocks ---------------------------------------------------------------------
 
@@ -119,9 +142,12 @@ class BlockIndex:
         if ns_map is None:
             return QueryResult((), nodes)
         load = self._source_load
+        suspect = self.suspects() if self._suspect else ()
         prev: NodeId | None = None
         for h in chain:
             holders = ns_map.get(h)
+            if holders and suspect:
+                holders = {n: loc for n, loc in holders.items() if n not in suspect}
             if not holders:
                 break
             if requester is not None and requester in holders:

@@ -273,6 +273,9 @@ class MetaService:
         if node is None or node.lease_id != lease_id:
             raise NotFound(f"node {node_id!r} has no lease {lease_id:x}; register again")
         self._check_proof(node, proof)
+        with self.lock:
+            if self.index.clear_suspect(node.node_id):
+                log.info("node %s keeps its lease: offered as a source again", node_id)
         try:
             return await self.store.etcd.lease_keepalive(lease_id)
         except LeaseNotFound:
@@ -363,6 +366,30 @@ class MetaService:
             self._check_hashes(hashes, self.config.max_query_hashes, "query")
             self._check_namespace(namespace)
         return [self._query(ns, hashes, requester) for ns, hashes, requester in queries]
+
+    @writer
+    def report_failed_read(self, reporter: str, source: str, hashes: Sequence[bytes]) -> tuple[int, bool]:
+        """A reader could not read from `source`. No hashes: the node did not answer; it is
+        suspect on this replica (not offered) until its next keepalive here or one lease TTL,
+        whichever comes first, its entries kept. Hashes: those copies on `source` are stale
+        (evicted or overwritten there) and leave the index, durably. Returns (copies removed,
+        source suspect). Any caller may report: the worst a false report does is cost hits."""
+        if reporter:
+            self._check_id("reporter_node_id", reporter)
+        node = self._node(source)
+        if not hashes:
+            self.index.mark_suspect(node.node_id, node.lease_ttl_s)
+            log.warning("reads from node %s failed (reported by %s): not offered until its next keepalive",
+                        source, reporter or "?")
+            return 0, True
+        self._check_hashes(hashes, self.config.max_publish_batch, "report")
+        removed = 0
+        for h in dict.fromkeys(hashes):
+            if self.index.remove_block(node.node_id, BlockHash(h)):
+                self.store.delete_block(node.node_id, h)
+                removed += 1
+        log.info("%d stale copies on node %s dropped (reported by %s)", removed, source, reporter or "?")
+        return removed, False
 
     def _delete_copies(self, dropped: Sequence[tuple[NodeId, BlockHash]]) -> int:
         for node_id, h in dropped:

@@ -160,6 +160,12 @@ class MetaServicer:
             [(q.namespace, list(q.block_hashes), q.requester_node_id) for q in request.queries]))
         return pb.QueryPrefixBatchResponse(results=[query_response(r) for r in results])
 
+    def ReportFailedRead(self, request: pb.ReportFailedReadRequest, context: grpc.ServicerContext,
+                         caller: Caller) -> pb.ReportFailedReadResponse:
+        removed, suspect = _call(context, lambda: self.service.report_failed_read(
+            request.reporter_node_id, request.source_node_id, list(request.block_hashes)))
+        return pb.ReportFailedReadResponse(num_removed=removed, source_suspect=suspect)
+
     def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext,
                    caller: Caller) -> pb.InvalidateResponse:
         target = request.WhichOneof("target")

@@ -26,9 +26,17 @@ class ScriptedClient:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.reports: list[tuple[str, list[bytes], str]] = []   # (source, hashes, reporter)
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def report_failed_read(self, source_node_id: str, block_hashes: Sequence[bytes] = (), reporter_node_id: str = "",
+                           timeout_s: float | None = None) -> tuple[int, bool]:
+        if self.fail:
+            raise Unavailable("no metaserver reachable")
+        self.reports.append((source_node_id, list(block_hashes), reporter_node_id))
+        return len(block_hashes), not block_hashes
 
     def query_prefix_batch(self, queries: Sequence[tuple[str, Sequence[bytes]]], requester_node_id: str = "",
                            timeout_s: float | None = None) -> list[QueryResult]:
@@ -187,5 +195,9 @@ def test_a_dead_source_is_paid_for_once_and_a_bad_block_alone() -> None:
         assert ps.counters()["connector_suspect_nodes"] == 1
         assert matched(ps, "r4", hashes(4, 5)) == 0                 # its first block is the bad one
         assert matched(ps, "r5", hashes(5, 5)) == 8                 # node a's other blocks still offered
+        # The metaserver heard of both, off the host's thread: node b whole, node a's one block.
+        wait_for(lambda: len(client.reports) == 2)
+        assert client.reports == [("b", [], "me"), ("a", [hashes(4, 5)[0]], "me")]
+        assert ps.counters()["lookup_failed_read_reports"] == 2
     finally:
         ps.close()

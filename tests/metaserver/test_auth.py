@@ -33,7 +33,8 @@ def test_every_rpc_has_an_access_rule() -> None:
     methods = {m.name for m in meta_pb2.DESCRIPTOR.services_by_name["MetaService"].methods}
     assert methods == set(METHOD_ACCESS)
     assert {m for m, a in METHOD_ACCESS.items() if a is Access.ADMIN} == {"Invalidate", "Drain"}
-    assert {m for m, a in METHOD_ACCESS.items() if a is Access.QUERY} == {"QueryPrefix", "QueryPrefixBatch", "Stats", "ListNodes"}
+    assert {m for m, a in METHOD_ACCESS.items() if a is Access.QUERY} == {
+        "QueryPrefix", "QueryPrefixBatch", "ReportFailedRead", "Stats", "ListNodes"}
 
 
 def test_no_tokens_means_open() -> None:

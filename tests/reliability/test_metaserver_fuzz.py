@@ -152,6 +152,8 @@ class Pool:
             n = current.get(held.node_id)
             if n is None or n[2] or n[4:] != (held.namespace, held.address, CAP):
                 c.register_node(held.node_id, held.address, 0x7F0000000000, CAP, held.namespace, 600)
+            else:
+                c.keepalive(held.node_id, n[1])  # a node reported unreadable is offered again
             c.publish(held.node_id, [BlockRecord(h(i), i * BLOCK, BLOCK, 1) for i in held.ids])
         snap = self.settle()
         if self._baseline is None:
@@ -190,6 +192,11 @@ class Pool:
         removed = before.copies() - after.copies()
         if method in ("Invalidate", "Drain", "Unpublish"):
             assert response.num_removed == removed, (method, request, response)
+        elif method == "ReportFailedRead":
+            assert response.num_removed == removed, (method, request, response)
+            assert response.source_suspect == (not request.block_hashes)
+            offered = {loc[0] for chain in after.chains if isinstance(chain, tuple) for loc in chain}
+            assert not response.source_suspect or request.source_node_id not in offered
         elif method == "UnregisterNode":
             assert response.num_blocks_removed == before.blocks_of(request.node_id) == removed
         elif method == "Publish":
@@ -272,6 +279,9 @@ MESSAGES: dict[str, st.SearchStrategy[Message]] = {
     "QueryPrefixBatch": st.builds(pb.QueryPrefixBatchRequest, queries=st.lists(
         st.builds(pb.QueryPrefixRequest, namespace=NAMESPACE, block_hashes=HASHES, requester_node_id=NODE_ID),
         max_size=4)),
+    "ReportFailedRead": st.builds(pb.ReportFailedReadRequest, reporter_node_id=NODE_ID,
+                                  source_node_id=NODE_ID,
+                                  block_hashes=HASHES),
     "Invalidate": invalidate_requests(),
     "Drain": st.builds(pb.DrainRequest, node_id=NODE_ID),
     "Stats": st.just(pb.StatsRequest()),

@@ -162,6 +162,24 @@ class QueryPrefixBatchResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[QueryPrefixResponse]
     def __init__(self, results: _Optional[_Iterable[_Union[QueryPrefixResponse, _Mapping]]] = ...) -> None: ...
 
+class ReportFailedReadRequest(_message.Message):
+    __slots__ = ("reporter_node_id", "source_node_id", "block_hashes")
+    REPORTER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    reporter_node_id: str
+    source_node_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, reporter_node_id: _Optional[str] = ..., source_node_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReportFailedReadResponse(_message.Message):
+    __slots__ = ("num_removed", "source_suspect")
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SUSPECT_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    source_suspect: bool
+    def __init__(self, num_removed: _Optional[int] = ..., source_suspect: _Optional[bool] = ...) -> None: ...
+
 class HashList(_message.Message):
     __slots__ = ("block_hashes",)
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class MetaServiceStub:
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.FromString,
                 _registered_method=True)
+        self.ReportFailedRead = channel.unary_unary(
+                '/kvpool.v1.MetaService/ReportFailedRead',
+                request_serializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.FromString,
+                _registered_method=True)
         self.Invalidate = channel.unary_unary(
                 '/kvpool.v1.MetaService/Invalidate',
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.InvalidateRequest.SerializeToString,
@@ -153,6 +158,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailedRead(self, request, context):
+        """either token
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Invalidate(self, request, context):
         """admin token
         """
@@ -218,6 +230,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.QueryPrefixBatch,
                     request_deserializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.SerializeToString,
+            ),
+            'ReportFailedRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailedRead,
+                    request_deserializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.SerializeToString,
             ),
             'Invalidate': grpc.unary_unary_rpc_method_handler(
                     servicer.Invalidate,
@@ -434,6 +451,33 @@ class MetaService:
             '/kvpool.v1.MetaService/QueryPrefixBatch',
             kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchRequest.SerializeToString,
             kvpool_dot_v1_dot_meta__pb2.QueryPrefixBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailedRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MetaService/ReportFailedRead',
+            kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.SerializeToString,
+            kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.FromString,
             options,
             channel_credentials,
             insecure,
