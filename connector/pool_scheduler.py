@@ -5,10 +5,12 @@ and never sees a host's request or scheduler-output classes, so our engine's
 `MooncakeConnector` and a vLLM plug-in wrap the same logic.
 
 Lookup: when a request arrives (`start_lookup`, the host's `on_new_request`) or is first
-asked about, its chain of full blocks is looked up off the host's thread, batched with the
-other lookups in flight (`connector.lookup`); until the answer is in, `num_matched_tokens`
-says "ask again later" (None), and past the lookup deadline the request goes on with its
-local hit only. The answer (the longest chain present from block 0) is remembered per
+asked about, its chain of full blocks is looked up in the node-local view of the index
+(`metaserver.view`, kept in step by a WatchIndex stream: a local walk, no RPC). While the
+view is not current (starting, or its stream silent), the lookup goes off the host's thread
+instead, batched with the other lookups in flight (`connector.lookup`); until that answer
+is in, `num_matched_tokens` says "ask again later" (None), and past the lookup deadline the
+request goes on with its local hit only. The answer (the longest chain present from block 0) is remembered per
 request, so the host may ask again, after any local hit, at no cost. A failed lookup is a
 miss (the request computes locally). A request whose load failed is offered no
 remote hit again (a host that sends it back to admission, as vLLM's `recompute` policy
@@ -29,6 +31,7 @@ from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
 from connector.settings import PoolConnectorSettings
 from metaserver.client import MetaClient
 from metaserver.types import BlockHash, BlockLocation, NodeId, NodeRecord
+from metaserver.view import IndexView
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,9 @@ class PoolScheduler:
         self._client = client or settings.meta_client()
         self._lookups = Lookups(self._client, fingerprint, settings.node_id, settings.query_timeout_s,
                                 settings.lookup_deadline_s)
+        self._view = IndexView(self._client, fingerprint, settings.node_id, settings.view_stale_s) \
+            if consume and settings.lookup_view else None
+        self.view_answers = 0  # lookups answered by the view (counter)
         self._asked: dict[str, int] = {}                # request id -> blocks its lookup asked for
         self._hits: dict[str, _Hit] = {}
         self._loading: dict[str, LoadSpec] = {}         # request id -> its load in flight
@@ -120,9 +126,16 @@ class PoolScheduler:
     def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: start looking its full blocks up now, off this thread."""
         end = (num_tokens - 1) // self.block_size  # its last token is always computed
-        if self.consume and end > 0:
-            self._lookups.submit(request_id, block_hashes[:end])
-            self._asked[request_id] = end
+        if not self.consume or end <= 0:
+            return
+        res = self._view.query(block_hashes[:end]) if self._view is not None else None
+        if res is not None:  # answered at once, on this thread, with no RPC
+            self.view_answers += 1
+            self.hit_blocks += len(res.locations)
+            self._hits[request_id] = _Hit(end, res.locations, res.nodes)
+            return
+        self._lookups.submit(request_id, block_hashes[:end])
+        self._asked[request_id] = end
 
     def num_matched_tokens(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                            num_computed_tokens: int) -> int | None:
@@ -136,9 +149,10 @@ class PoolScheduler:
         if end <= start:
             return 0
         hit = self._hits.get(request_id)
+        if (hit is None or hit.end < end) and self._asked.get(request_id, 0) < end:
+            self.start_lookup(request_id, block_hashes, num_tokens)
+            hit = self._hits.get(request_id)
         if hit is None or hit.end < end:
-            if self._asked.get(request_id, 0) < end:
-                self.start_lookup(request_id, block_hashes, num_tokens)
             state, res = self._lookups.poll(request_id)
             if state is LookupState.PENDING:
                 return None
@@ -219,8 +233,13 @@ class PoolScheduler:
 
     def counters(self) -> dict[str, float]:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""
-        return {"connector_hit_blocks": self.hit_blocks, **self._lookups.counters(), **self._avoid.counters()}
+        view = {} if self._view is None else {
+            "lookup_view_answers": self.view_answers, "lookup_view_current": int(self._view.current()),
+            "lookup_view_snapshots": self._view.snapshots, "lookup_view_resumes": self._view.resumes}
+        return {"connector_hit_blocks": self.hit_blocks, **self._lookups.counters(), **view, **self._avoid.counters()}
 
     def close(self) -> None:
+        if self._view is not None:
+            self._view.close()
         self._lookups.close()
         self._client.close()

@@ -5,7 +5,8 @@ instead of reading the free-form JSON themselves.
 
 Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
-lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, metaserver_tls_ca /
+lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
+view_stale_s, metaserver_tls_ca /
 metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
 drills: wait this long between the query and the read, so a test can kill or overwrite the
 source).
@@ -24,6 +25,17 @@ from metaserver.client import MetaClient
 from metaserver.credentials import ClientSecurity
 
 
+def _flag(value: Any) -> bool:
+    """A JSON boolean, or its string spelling (a helm value or CLI flag may arrive as text)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes", "on"):
+        return True
+    if str(value).lower() in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 def _default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -40,6 +52,8 @@ class PoolConnectorSettings:
     query_timeout_s: float = 1.0       # deadline of one lookup RPC (on the lookup thread)
     lookup_deadline_s: float = 0.1     # a request waits this long for its lookup, then goes on locally
     suspect_s: float = 5.0             # a source whose reads all failed is not offered for this long
+    lookup_view: bool = True           # answer lookups from a node-local view of the index (metaserver.view)
+    view_stale_s: float = 2.0          # a view silent this long is not used (lookups go by RPC)
     debug_load_delay_s: float = 0.0    # fault drills only: delay between lookup and read
     tls_ca_file: str = ""
     tls_cert_file: str = ""
@@ -67,6 +81,8 @@ class PoolConnectorSettings:
                        query_timeout_s=float(extra("query_timeout_s", 1.0)),
                        lookup_deadline_s=float(extra("lookup_deadline_s", 0.1)),
                        suspect_s=float(extra("suspect_s", 5.0)),
+                       lookup_view=_flag(extra("lookup_view", True)),
+                       view_stale_s=float(extra("view_stale_s", 2.0)),
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))

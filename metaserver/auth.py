@@ -57,6 +57,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "QueryPrefix": Access.QUERY,
     "QueryPrefixBatch": Access.QUERY,
     "ReportFailedRead": Access.QUERY,
+    "WatchIndex": Access.QUERY,
     "Invalidate": Access.ADMIN,
     "Drain": Access.ADMIN,
     "Stats": Access.QUERY,

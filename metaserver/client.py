@@ -193,6 +193,15 @@ class MetaClient:
             timeout_s)
         return resp.num_removed, resp.source_suspect
 
+    def watch_index(self, namespace: str, epoch: str = "", after_seq: int = 0, watcher_node_id: str = "",
+                    replica: int = 0) -> grpc.Future:
+        """Open a WatchIndex stream from endpoint `replica` (modulo their number): iterate it
+        for `pb.IndexEvent`s, `.cancel()` it to stop; iterating raises grpc.RpcError when the
+        stream breaks (metaserver.view resumes it)."""
+        stub = self._stubs[replica % len(self._stubs)]
+        return stub.WatchIndex(pb.WatchIndexRequest(namespace=namespace, epoch=epoch, after_seq=after_seq,
+                                                    watcher_node_id=watcher_node_id), metadata=self._metadata)
+
     def invalidate(self, *, namespace: str = "", hashes: Sequence[bytes] | None = None, node_id: str = "",
                    by_namespace: bool = False, all: bool = False) -> int:  # noqa: A002 - mirrors the proto
         req = pb.InvalidateRequest(namespace=namespace)

@@ -4,19 +4,24 @@ Where it sits: every QueryPrefix is answered from here and never waits for etcd.
 arrive from this replica's RPCs and from the etcd watch (other replicas, lease expiry);
 every method is idempotent so that a change seen twice is harmless.
 
-Not thread-safe: the metaserver uses it from one asyncio event loop.
+With a `feed` (metaserver.feed), every change is also appended there, for WatchIndex
+streams; a node-local read view (metaserver.view) is a BlockIndex without one.
+
+Not thread-safe: the metaserver calls it holding its service lock.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
 
+from metaserver.feed import IndexFeed, Kind
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace,
                               NamespaceStats, NodeId, NodeRecord, QueryResult)
 
 
 class BlockIndex:
-    def __init__(self) -> None:
+    def __init__(self, feed: IndexFeed | None = None) -> None:
+        self.feed = feed
         self.nodes: dict[NodeId, NodeRecord] = {}
         # namespace -> hash -> node -> location
         self._blocks: dict[Namespace, dict[BlockHash, dict[NodeId, BlockLocation]]] = {}
@@ -37,7 +42,11 @@ class BlockIndex:
                                 or old.session_address != node.session_address
                                 or (node.draining and not old.draining)):
             dropped = self.remove_node_blocks(node.node_id)
+            if self.feed is not None and old.namespace != node.namespace:
+                self.feed.append(old.namespace, Kind.NODE_GONE, node.node_id)
         self.nodes[node.node_id] = node
+        if self.feed is not None and node != old:
+            self.feed.append(node.namespace, Kind.NODE, node.node_id, node)
         self._node_hashes.setdefault(node.node_id, set())
         self._source_load.setdefault(node.node_id, 0)
         return dropped
@@ -45,7 +54,9 @@ class BlockIndex:
     def remove_node(self, node_id: NodeId) -> list[BlockHash]:
         """Forget a node and every block it held; returns those blocks."""
         dropped = self.remove_node_blocks(node_id)
-        self.nodes.pop(node_id, None)
+        node = self.nodes.pop(node_id, None)
+        if self.feed is not None and node is not None:
+            self.feed.append(node.namespace, Kind.NODE_GONE, node_id)
         self._node_hashes.pop(node_id, None)
         self._source_load.pop(node_id, None)
         self._suspect.pop(node_id, None)
@@ -58,11 +69,16 @@ class BlockIndex:
         if node_id not in self.nodes:
             return False
         self._suspect[node_id] = time.monotonic() + for_s
+        if self.feed is not None:
+            self.feed.append(self.nodes[node_id].namespace, Kind.SUSPECT, node_id, for_s)
         return True
 
     def clear_suspect(self, node_id: NodeId) -> bool:
         """The node showed it is alive (a keepalive): offer its blocks again. True if it was suspect."""
-        return self._suspect.pop(node_id, None) is not None
+        was = self._suspect.pop(node_id, None) is not None
+        if was and self.feed is not None and node_id in self.nodes:
+            self.feed.append(self.nodes[node_id].namespace, Kind.TRUST, node_id)
+        return was
 
     def suspects(self) -> list[NodeId]:
         """Nodes suspect now (expired marks are dropped)."""
@@ -78,7 +94,10 @@ class BlockIndex:
         if node is None:
             return False
         loc = BlockLocation(rec.block_hash, node_id, rec.offset, rec.size_bytes, rec.generation)
-        self._blocks.setdefault(node.namespace, {}).setdefault(rec.block_hash, {})[node_id] = loc
+        holders = self._blocks.setdefault(node.namespace, {}).setdefault(rec.block_hash, {})
+        if self.feed is not None and holders.get(node_id) != loc:  # a change seen twice is sent once
+            self.feed.append(node.namespace, Kind.ADD, node_id, rec)
+        holders[node_id] = loc
         self._node_hashes[node_id].add(rec.block_hash)
         return True
 
@@ -89,6 +108,8 @@ class BlockIndex:
         if node is None or hashes is None or block_hash not in hashes:
             return False
         hashes.discard(block_hash)
+        if self.feed is not None:
+            self.feed.append(node.namespace, Kind.REMOVE, node_id, block_hash)
         ns_map = self._blocks.get(node.namespace, {})
         holders = ns_map.get(block_hash)
         if holders is not None:
@@ -163,6 +184,17 @@ class BlockIndex:
                 nodes[chosen] = self.nodes[chosen]
                 prev = chosen
         return QueryResult(tuple(locations), nodes)
+
+    def namespace_state(self, namespace: Namespace) -> tuple[list[NodeRecord], list[BlockLocation],
+                                                            dict[NodeId, float]]:
+        """The namespace's nodes, every copy of its blocks, and its suspect nodes (seconds left):
+        a WatchIndex snapshot."""
+        now = time.monotonic()
+        nodes = [n for n in self.nodes.values() if n.namespace == namespace]
+        blocks = [loc for holders in self._blocks.get(namespace, {}).values() for loc in holders.values()]
+        suspects = {n: t - now for n, t in self._suspect.items()
+                    if t > now and n in self.nodes and self.nodes[n].namespace == namespace}
+        return nodes, blocks, suspects
 
     def num_blocks_of(self, node_id: NodeId) -> int:
         return len(self._node_hashes.get(node_id, ()))

@@ -36,7 +36,7 @@ from metaserver.auth import Authenticator
 from metaserver.config import MetaServerConfig
 from metaserver.etcd import EtcdClient, EtcdUnavailable
 from metaserver.service import MetaService
-from metaserver.servicer import MetaServicer
+from metaserver.servicer import MAX_WATCHERS, MetaServicer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ class MetaServer:
         self.etcd: EtcdClient | None = None
         self.service: MetaService | None = None
         self.health = health.HealthServicer()
-        self.server = grpc.server(futures.ThreadPoolExecutor(handler_threads, thread_name_prefix="rpc"),
+        # WatchIndex streams each hold a thread for as long as they last: room for them beside
+        # the handler threads.
+        self.server = grpc.server(futures.ThreadPoolExecutor(handler_threads + MAX_WATCHERS, thread_name_prefix="rpc"),
                                   options=[("grpc.max_receive_message_length", 16 << 20), ("grpc.so_reuseport", 0)])
         self._stopped = threading.Event()
         self._ready = threading.Event()

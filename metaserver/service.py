@@ -31,9 +31,11 @@ from metaserver.config import MetaServerConfig
 from metaserver.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                Unavailable)
 from metaserver.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, WatchCompacted
+from metaserver.feed import IndexFeed
 from metaserver.index import BlockIndex
 from metaserver.store import Change, DurableStore, Snapshot
-from metaserver.types import BlockHash, BlockRecord, IndexStats, Namespace, NodeId, NodeRecord, QueryResult
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NodeId, NodeRecord,
+                              QueryResult)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ class MetaService:
     def __init__(self, config: MetaServerConfig, etcd: EtcdClient) -> None:
         self.config = config
         self.lock = threading.RLock()
-        self.index = BlockIndex()
+        self.feed = IndexFeed()
+        self.index = BlockIndex(self.feed)
         self.store = DurableStore(config, etcd, self.lock, on_lease_lost=self._lease_lost)
         self.counters = Counters()
         self._watch_task: asyncio.Task[None] | None = None
@@ -121,6 +124,9 @@ class MetaService:
         for node_id, rec, lease in snap.blocks:
             if self._current_lease(node_id, lease):
                 self.index.add_block(node_id, rec)
+        # A new incarnation: watchers take a new snapshot (not a million replayed changes).
+        self.index.feed = self.feed
+        self.feed.restart()
 
     def _current_lease(self, node_id: NodeId, lease: int) -> bool:
         """True if `lease` is the lease of the node's current registration. Watch events of
@@ -390,6 +396,16 @@ class MetaService:
                 removed += 1
         log.info("%d stale copies on node %s dropped (reported by %s)", removed, source, reporter or "?")
         return removed, False
+
+    @reader
+    def watch_snapshot(self, namespace: str) -> tuple[str, int, list[NodeRecord], list[BlockLocation],
+                                                      dict[NodeId, float]]:
+        """A WatchIndex snapshot of the namespace (possibly empty: a node may watch before any
+        node of its namespace registered) and the feed position it is at."""
+        if not namespace or len(namespace) > _MAX_ID_LEN:
+            raise InvalidArgument(f"namespace must be 1..{_MAX_ID_LEN} characters")
+        epoch, seq = self.feed.position()
+        return (epoch, seq, *self.index.namespace_state(Namespace(namespace)))
 
     def _delete_copies(self, dropped: Sequence[tuple[NodeId, BlockHash]]) -> int:
         for node_id, h in dropped:

@@ -9,13 +9,17 @@ async ones (those that talk to etcd before answering) run on the service's event
 the caller is authorized (`metaserver.auth`; with no token configured every caller is open
 and the metadata is not read), and a request that does not parse is answered
 INVALID_ARGUMENT (gRPC's own deserializer would answer INTERNAL). Handlers take
-`(request, context, caller)`.
+`(request, context, caller)`. WatchIndex is the one server-streaming method: its handler
+is a generator holding one handler thread while the stream lasts (the server adds
+MAX_WATCHERS threads to its pool for them).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -25,12 +29,17 @@ from google.protobuf.message import DecodeError, Message
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.auth import METHOD_ACCESS, OPEN, Authenticator, Caller
 from metaserver.errors import InvalidArgument, MetaError, Unavailable
+from metaserver.feed import encode_changes, encode_snapshot
 from metaserver.service import MetaService
 from metaserver.store import node_to_pb
-from metaserver.types import BlockHash, BlockRecord, NodeRecord, QueryResult
+from metaserver.types import BlockHash, BlockRecord, Namespace, NodeRecord, QueryResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+STREAMS = {"WatchIndex"}   # server-streaming methods
+MAX_WATCHERS = 64          # WatchIndex streams at once (each holds a handler thread)
+HEARTBEAT_S = 0.5          # an idle WatchIndex stream sends an empty event this often
 
 
 def node_info(node: NodeRecord, num_blocks: int = 0) -> pb.NodeInfo:
@@ -79,6 +88,8 @@ class MetaServicer:
         self.service = service
         self._loop = loop
         self._timeout_s = timeout_s
+        self._watch_lock = threading.Lock()
+        self._watchers = 0
 
     def add_to_server(self, server: grpc.Server, auth: Authenticator) -> None:
         """Serve every MetaService method on `server`, each call authorized by `auth`.
@@ -104,6 +115,9 @@ class MetaServicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return method(request, context, caller)
 
+        if name in STREAMS:
+            return grpc.unary_stream_rpc_method_handler(behavior, request_deserializer=_lenient(request_cls),
+                                                        response_serializer=response_cls.SerializeToString)
         return grpc.unary_unary_rpc_method_handler(behavior,
                                                    request_deserializer=_lenient(request_cls),
                                                    response_serializer=response_cls.SerializeToString)
@@ -165,6 +179,44 @@ class MetaServicer:
         removed, suspect = _call(context, lambda: self.service.report_failed_read(
             request.reporter_node_id, request.source_node_id, list(request.block_hashes)))
         return pb.ReportFailedReadResponse(num_removed=removed, source_suspect=suspect)
+
+    def WatchIndex(self, request: pb.WatchIndexRequest, context: grpc.ServicerContext,
+                   caller: Caller) -> Iterator[pb.IndexEvent]:
+        """The namespace's index as a stream (see metaserver.feed): a snapshot unless the
+        watcher resumes where the feed still reaches, then changes as they apply, a heartbeat
+        every HEARTBEAT_S when idle. Holds one handler thread while it lasts; at most
+        MAX_WATCHERS at once (RESOURCE_EXHAUSTED beyond)."""
+        with self._watch_lock:
+            if self._watchers >= MAX_WATCHERS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"this replica already streams its index to {MAX_WATCHERS} watchers")
+            self._watchers += 1
+        try:
+            yield from self._watch(request, context)
+        finally:
+            with self._watch_lock:
+                self._watchers -= 1
+
+    def _watch(self, request: pb.WatchIndexRequest, context: grpc.ServicerContext) -> Iterator[pb.IndexEvent]:
+        feed, ns = self.service.feed, Namespace(request.namespace)
+        epoch, seq = request.epoch, request.after_seq
+        resumed = bool(epoch) and feed.since(epoch, seq, ns) is not None
+        log.info("%s watches %r (%s)", request.watcher_node_id or "a node", request.namespace,
+                 f"resumed at {seq}" if resumed else "snapshot")
+        last_sent = 0.0
+        while context.is_active():
+            got = feed.since(epoch, seq, ns) if epoch else None
+            if got is None:  # first contact, a new epoch, or the watcher fell too far behind
+                epoch, seq, nodes, blocks, suspects = _call(context, lambda: self.service.watch_snapshot(ns))
+                yield from encode_snapshot(nodes, blocks, suspects, epoch, seq)
+                last_sent = time.monotonic()
+                continue
+            changes, upto = got
+            if changes or time.monotonic() - last_sent >= HEARTBEAT_S:
+                yield encode_changes(changes, epoch, upto)
+                last_sent = time.monotonic()
+            seq = upto
+            feed.wait(epoch, seq, HEARTBEAT_S)
 
     def Invalidate(self, request: pb.InvalidateRequest, context: grpc.ServicerContext,
                    caller: Caller) -> pb.InvalidateResponse:

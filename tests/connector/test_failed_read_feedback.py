@@ -51,12 +51,20 @@ class Reader:
         self.failed_loads = 0
         self._n = 0
 
+    def offered(self, rid: str = "peek") -> int:
+        """The tokens a lookup of the chain offers now (nothing loaded)."""
+        ps = self.scheduler
+        ps.start_lookup(rid, CHAIN, N * BS + 1)
+        n = wait_for(lambda: (n := ps.num_matched_tokens(rid, CHAIN, N * BS + 1, 0)) is not None and (n,))[0]
+        if rid == "peek":
+            ps.forget(rid)
+        return n
+
     def request(self) -> int:
         """Look the chain up and load what is offered; returns the tokens offered."""
         self._n += 1
         rid, ps = f"r{self._n}", self.scheduler
-        ps.start_lookup(rid, CHAIN, N * BS + 1)
-        offered = wait_for(lambda: (n := ps.num_matched_tokens(rid, CHAIN, N * BS + 1, 0)) is not None and (n,))[0]
+        offered = self.offered(rid)
         if offered:
             ps.on_alloc(rid, list(range(N)), offered)
             self.worker.start_loads(ps.build_meta().loads)
@@ -89,6 +97,7 @@ def test_a_killed_source_costs_each_reader_at_most_one_failed_read(metaserver: M
     a, b = readers
     source = start_node(metaserver, "src", N, BB)
     try:
+        wait_for(lambda: a.offered() == b.offered() == N * BS)     # both know the source's blocks
         assert a.request() == N * BS and a.failed_loads == 0      # the source answers: a remote hit
         os.kill(source.pid, signal.SIGKILL)
         source.wait(10)
@@ -96,6 +105,7 @@ def test_a_killed_source_costs_each_reader_at_most_one_failed_read(metaserver: M
             a.request()
         assert a.failed_loads == 1                                  # one failed read, then its own negative cache
         wait_for(lambda: a.reports() == 1)                          # ... and the metaserver heard of it
+        wait_for(lambda: b.offered() == 0)                          # B hears it from the metaserver
         for _ in range(3):
             assert b.request() == 0                                 # never offered the dead source
         assert b.failed_loads == 0

@@ -144,7 +144,7 @@ def scheduler(client: ScriptedClient):  # noqa: ANN201
     from connector.pool_scheduler import PoolScheduler
     from connector.settings import PoolConnectorSettings
 
-    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30}
+    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False}
     settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
     return PoolScheduler(settings, "ns", 4, consume=True, produce=False, client=client)
 

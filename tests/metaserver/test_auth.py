@@ -34,7 +34,7 @@ def test_every_rpc_has_an_access_rule() -> None:
     assert methods == set(METHOD_ACCESS)
     assert {m for m, a in METHOD_ACCESS.items() if a is Access.ADMIN} == {"Invalidate", "Drain"}
     assert {m for m, a in METHOD_ACCESS.items() if a is Access.QUERY} == {
-        "QueryPrefix", "QueryPrefixBatch", "ReportFailedRead", "Stats", "ListNodes"}
+        "QueryPrefix", "QueryPrefixBatch", "ReportFailedRead", "WatchIndex", "Stats", "ListNodes"}
 
 
 def test_no_tokens_means_open() -> None:

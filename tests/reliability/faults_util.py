@@ -352,7 +352,10 @@ class Pool:
 
 
 def _kv_config(extra: dict[str, object]) -> dict[str, object]:
-    return {"kv_connector": "mooncake", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    # Lookups by RPC: these drills test the path a node falls back to whenever its index view
+    # is not current (deadline, breaker); the view's own faults are in tests/metaserver/test_view.py.
+    return {"kv_connector": "mooncake", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lookup_view": False, **extra}}
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -180,6 +180,48 @@ class ReportFailedReadResponse(_message.Message):
     source_suspect: bool
     def __init__(self, num_removed: _Optional[int] = ..., source_suspect: _Optional[bool] = ...) -> None: ...
 
+class WatchIndexRequest(_message.Message):
+    __slots__ = ("namespace", "epoch", "after_seq", "watcher_node_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    WATCHER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    epoch: str
+    after_seq: int
+    watcher_node_id: str
+    def __init__(self, namespace: _Optional[str] = ..., epoch: _Optional[str] = ..., after_seq: _Optional[int] = ..., watcher_node_id: _Optional[str] = ...) -> None: ...
+
+class IndexEvent(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "current", "nodes", "block_nodes", "blocks", "removed_block_nodes", "removed_hashes", "removed_nodes", "suspect_nodes", "suspect_for_s", "trusted_nodes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NODES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_BLOCK_NODES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_NODES_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_NODES_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    TRUSTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    current: bool
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    block_nodes: _containers.RepeatedScalarFieldContainer[str]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockRecord]
+    removed_block_nodes: _containers.RepeatedScalarFieldContainer[str]
+    removed_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_nodes: _containers.RepeatedScalarFieldContainer[str]
+    suspect_nodes: _containers.RepeatedScalarFieldContainer[str]
+    suspect_for_s: _containers.RepeatedScalarFieldContainer[float]
+    trusted_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., current: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., block_nodes: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[BlockRecord, _Mapping]]] = ..., removed_block_nodes: _Optional[_Iterable[str]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., removed_nodes: _Optional[_Iterable[str]] = ..., suspect_nodes: _Optional[_Iterable[str]] = ..., suspect_for_s: _Optional[_Iterable[float]] = ..., trusted_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class HashList(_message.Message):
     __slots__ = ("block_hashes",)
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

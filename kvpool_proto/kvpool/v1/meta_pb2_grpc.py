@@ -79,6 +79,11 @@ class MetaServiceStub:
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.FromString,
                 _registered_method=True)
+        self.WatchIndex = channel.unary_stream(
+                '/kvpool.v1.MetaService/WatchIndex',
+                request_serializer=kvpool_dot_v1_dot_meta__pb2.WatchIndexRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_meta__pb2.IndexEvent.FromString,
+                _registered_method=True)
         self.Invalidate = channel.unary_unary(
                 '/kvpool.v1.MetaService/Invalidate',
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.InvalidateRequest.SerializeToString,
@@ -165,6 +170,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchIndex(self, request, context):
+        """either token
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Invalidate(self, request, context):
         """admin token
         """
@@ -235,6 +247,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.ReportFailedRead,
                     request_deserializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.SerializeToString,
+            ),
+            'WatchIndex': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchIndex,
+                    request_deserializer=kvpool_dot_v1_dot_meta__pb2.WatchIndexRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_meta__pb2.IndexEvent.SerializeToString,
             ),
             'Invalidate': grpc.unary_unary_rpc_method_handler(
                     servicer.Invalidate,
@@ -478,6 +495,33 @@ class MetaService:
             '/kvpool.v1.MetaService/ReportFailedRead',
             kvpool_dot_v1_dot_meta__pb2.ReportFailedReadRequest.SerializeToString,
             kvpool_dot_v1_dot_meta__pb2.ReportFailedReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpool.v1.MetaService/WatchIndex',
+            kvpool_dot_v1_dot_meta__pb2.WatchIndexRequest.SerializeToString,
+            kvpool_dot_v1_dot_meta__pb2.IndexEvent.FromString,
             options,
             channel_credentials,
             insecure,

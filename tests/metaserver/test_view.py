@@ -1,0 +1,125 @@
+"""The node-local read view (metaserver.view) against real metaserver replicas and etcd.
+
+It answers as the metaserver does, follows publishes, removals, suspect marks and lease
+expiry, sees only its namespace, resumes a broken stream without a snapshot, takes a new
+snapshot from a restarted replica (new epoch), and says it is not current while its stream
+is silent (a frozen replica).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterable
+
+import pytest
+
+from kvpool_harness.processes import MetaserverProcess
+from metaserver.client import MetaClient
+from metaserver.types import BlockHash, BlockRecord
+from metaserver.view import IndexView
+from tests.conftest import wait_for
+
+NS, OTHER = "ns-view", "ns-other"
+CAP = 1 << 30
+
+
+def h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def recs(ids: Iterable[int], gen: int = 1) -> list[BlockRecord]:
+    return [BlockRecord(h(i), i * 4096, 4096, gen) for i in ids]
+
+
+def chain(n: int) -> list[BlockHash]:
+    return [h(i) for i in range(n)]
+
+
+def same_answer(view: IndexView, client: MetaClient, n: int) -> bool:
+    """The view answers the chain as the metaserver does (locations, in order)."""
+    mine = view.query(chain(n))
+    theirs = client.query_prefix(NS, chain(n), "reader")
+    return mine is not None and mine.locations == theirs.locations
+
+
+def test_the_view_follows_the_index_and_sees_only_its_namespace(metaserver: MetaserverProcess) -> None:
+    with MetaClient(metaserver.address) as c:
+        c.register_node("n1", "127.0.0.1:9001", 0, CAP, NS, 30)
+        c.register_node("o1", "127.0.0.1:9002", 0, CAP, OTHER, 30)
+        c.publish("n1", recs(range(32)))
+        c.publish("o1", recs(range(100, 164)))
+        view = IndexView(c, NS, "reader")
+        try:
+            assert view.wait_current(10) and view.snapshots == 1
+            assert view.num_copies() == 32                                    # not the other namespace's
+            assert same_answer(view, c, 40) and view.query(chain(40)).num_matched == 32
+            c.publish("n1", recs(range(32, 40)))                             # a change after the snapshot
+            wait_for(lambda: view.query(chain(40)).num_matched == 40)
+            c.unpublish("n1", [h(20)])
+            wait_for(lambda: view.query(chain(40)).num_matched == 20)
+            c.publish("n1", recs([20], gen=2))                                # republished, new generation
+            wait_for(lambda: view.query(chain(40)).num_matched == 40)
+            assert view.query(chain(40)).locations[20].generation == 2
+            assert c.report_failed_read("n1", [], "someone") == (0, True)     # suspect: not offered
+            wait_for(lambda: view.query(chain(40)).num_matched == 0)
+            c.keepalive("n1", c.list_nodes()[0][0].lease_id)                  # alive again: offered
+            wait_for(lambda: view.query(chain(40)).num_matched == 40)
+            assert same_answer(view, c, 40) and view.snapshots == 1
+        finally:
+            view.close()
+
+
+def test_a_broken_stream_resumes_without_a_snapshot(metaserver: MetaserverProcess) -> None:
+    with MetaClient(metaserver.address) as c:
+        c.register_node("n1", "127.0.0.1:9001", 0, CAP, NS, 30)
+        c.publish("n1", recs(range(16)))
+        view = IndexView(c, NS, "reader", retry_s=0.5)
+        try:
+            assert view.wait_current(10)
+            call = view._call  # the stream breaks (as a dropped connection would)
+            assert call is not None
+            call.cancel()
+            c.publish("n1", recs(range(16, 24)))                             # published while it is down
+            wait_for(lambda: view.resumes == 1)
+            wait_for(lambda: view.query(chain(30)).num_matched == 24)
+            assert view.snapshots == 1                                        # replayed, not re-sent
+        finally:
+            view.close()
+
+
+def test_a_restarted_replica_sends_a_new_snapshot_and_a_frozen_one_makes_the_view_stale(
+        metaserver_factory: Callable[..., MetaserverProcess]) -> None:
+    ms = metaserver_factory()
+    with MetaClient(ms.address) as c:
+        c.register_node("n1", "127.0.0.1:9001", 0, CAP, NS, 60)
+        c.publish("n1", recs(range(16)))
+        wait_for(lambda: c.stats().pending_writes == 0)
+        view = IndexView(c, NS, "reader", stale_after_s=1.0)
+        try:
+            assert view.wait_current(10)
+            epoch = view.epoch
+            os.kill(ms.pid, signal.SIGSTOP)                                    # frozen: no heartbeats
+            try:
+                wait_for(lambda: not view.current(), timeout_s=5)
+                assert view.query(chain(16)) is None                          # callers fall back to RPCs
+            finally:
+                os.kill(ms.pid, signal.SIGCONT)
+            wait_for(view.current, timeout_s=10)
+            ms.kill()
+            ms2 = metaserver_factory(port=ms.port)                             # rebuilt from etcd: new epoch
+            wait_for(lambda: view.snapshots == 2, timeout_s=15)
+            assert view.epoch != epoch and view.query(chain(16)).num_matched == 16
+            assert ms2.address == ms.address
+        finally:
+            view.close()
+
+
+@pytest.mark.parametrize("empty", [True, False])
+def test_the_rpc_rejects_a_bad_namespace(metaserver: MetaserverProcess, empty: bool) -> None:
+    import grpc
+
+    with MetaClient(metaserver.address) as c:
+        stream = c.watch_index("" if empty else "x" * 300)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(stream))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in err.value.details()
