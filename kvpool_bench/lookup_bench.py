@@ -164,7 +164,7 @@ def _capacity(args: argparse.Namespace, ms_address: str, master: str, metadata: 
 def _populate(ms_address: str, master: str, metadata: str, args: argparse.Namespace):  # noqa: ANN202
     """Register the simulated nodes and publish every chain (chain c on node c % nodes) in
     the metaserver, and the same hashes as keys in Mooncake Store. Returns the Store client
-    (the keys live in its segment: keep it open)."""
+    (the keys live in its segment: keep it open) and its registered buffer."""
     import numpy as np
     from mooncake.store import MooncakeDistributedStore
 
@@ -189,8 +189,7 @@ def _populate(ms_address: str, master: str, metadata: str, args: argparse.Namesp
         rcs = store.batch_put_from(keys, [value.ctypes.data] * CHAIN, [64] * CHAIN)
         if any(rc != 0 for rc in rcs):
             raise RuntimeError(f"Mooncake Store put returned {set(rcs)}")
-    store._bench_buffer = value  # type: ignore[attr-defined]  # the registered bytes outlive the puts
-    return store
+    return store, value  # the registered bytes must outlive the store
 
 
 def _staleness(ms_address: str, n: int = 50) -> dict:
@@ -400,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
                 master_proc, master, metadata = start_master(tmp)
                 try:
                     with MetaserverProcess(etcd.endpoint, tmp / "ms.log", log_level="WARNING") as ms:
-                        store = _populate(ms.address, master, metadata, args)
+                        store, _buffer = _populate(ms.address, master, metadata, args)
                         try:
                             report["capacity"] = _capacity(args, ms.address, master, metadata)
                             report["staleness"] = _staleness(ms.address)
