@@ -17,6 +17,9 @@ worker processes. Three parts (`--parts`):
   engine thread's time in the connector's scheduler side per new request (p50 / p99: every
   call made for that request) and per step (building the step's metadata, reading the
   workers' report), how long a new request waited for its lookup, and the decodes' TPOT.
+  Conditions alternate in rounds (healthy, frozen, killed; restarted and recovered after
+  each round), and a condition's TPOT is the median of its rounds: this shared machine's
+  drift over a minute is as large as the effect measured.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens each decoding request generates")
     p.add_argument("--arrival-s", type=float, default=0.25, help="a new request every this many seconds")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of healthy / frozen / killed per mode")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     p.add_argument("--out", default="runs/bench-lookup.json")
 
@@ -115,8 +119,9 @@ def _worker(argv: list[str]) -> int:
     lat: list[float] = []
     wrong = n = 0
     end = time.perf_counter() + a.seconds
-    while (t0 := time.perf_counter()) < end:
+    while time.perf_counter() < end:
         batch = [chains[rng.randrange(len(chains))] for _ in range(a.batch)]
+        t0 = time.perf_counter()
         wrong += lookup(batch)
         dt = time.perf_counter() - t0
         lat.extend([dt * 1e6] * a.batch)  # every lookup of the call waited for the whole call
@@ -303,6 +308,7 @@ def _engine_run(engine, args: argparse.Namespace, label: str, rng: random.Random
         engine.add_request([rng.randrange(100, vocab) for _ in range(32)], decode, rid)
         token_times[rid] = []
     added: dict[str, float] = {}
+    steps: list[tuple[float, float]] = []   # (start, end) of every engine step
     next_arrival, k = time.perf_counter(), 0
     before = dict(engine.stats())
     while any(len(t) < args.decode_tokens for t in token_times.values()):
@@ -313,15 +319,24 @@ def _engine_run(engine, args: argparse.Namespace, label: str, rng: random.Random
             added[rid] = now
             k += 1
             next_arrival += args.arrival_s
-        for out in engine.step():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        steps.append((t0, t1))
+        for out in outs:
             if out.request_id in token_times:
-                token_times[out.request_id].append(time.perf_counter())
+                token_times[out.request_id].append(t1)
     while engine.has_unfinished():
         engine.step()
     after = engine.stats()
     tpot = [(t[-1] - t[1]) / (len(t) - 2) for t in token_times.values() if len(t) > 2]  # after the first decode
     req = [1e6 * timer.per_request[r] for r in added if r in timer.per_request]
     waits = [timer.answered_at[r] - t for r, t in added.items() if r in timer.answered_at]
+    # A lookup holds its request at most lookup_deadline_s; the host asks once per step, so the
+    # answer is seen within the deadline plus the step that was running then (and the next).
+    deadline = engine.connector.scheduler.settings.lookup_deadline_s
+    longest = max((b - a for a, b in steps), default=0.0)
+    over = sum(w > deadline + 2 * longest for w in waits)
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in
              ("lookup_view_answers", "lookup_queries", "lookup_deadline_misses", "lookup_query_errors",
               "lookup_breaker_skips")}
@@ -329,10 +344,22 @@ def _engine_run(engine, args: argparse.Namespace, label: str, rng: random.Random
             "req_us_max": max(req, default=float("nan")),
             "step_us_p50": 1e6 * pct(timer.step_s, 50), "step_us_p99": 1e6 * pct(timer.step_s, 99),
             "tpot_ms": 1e3 * statistics.mean(tpot), "lookup_wait_ms_max": 1e3 * max(waits, default=0.0),
-            "lookup_wait_ms_p50": 1e3 * pct(waits, 50), **delta}
+            "lookup_wait_ms_p50": 1e3 * pct(waits, 50), "engine_step_ms_max": 1e3 * longest, "waits_over": over,
+            **delta}
 
 
-def _engine(args: argparse.Namespace, etcd_endpoint: str, tmp: Path) -> list[dict]:
+def _recovered(engine, mode: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+    """Wait until the node's lookups work again after a restart: its view is current, or
+    its lookup breaker closed."""
+    key, want = ("lookup_view_current", 1) if mode == "view" else ("lookup_breaker_open", 0)
+    deadline = time.monotonic() + timeout_s
+    while engine.stats().get(key) != want and time.monotonic() < deadline:
+        engine.step() if engine.has_unfinished() else time.sleep(0.05)
+
+
+def _engine(args: argparse.Namespace, etcd_endpoint: str, tmp: Path) -> dict:
+    """Per lookup mode: rounds of (healthy, frozen, killed), the metaserver restarted and the
+    node recovered after each round; the figures of a condition are its rounds' median."""
     import torch
 
     from engine.config import EngineConfig
@@ -342,12 +369,13 @@ def _engine(args: argparse.Namespace, etcd_endpoint: str, tmp: Path) -> list[dic
 
     torch.set_num_threads(args.threads)
     port = free_port()
-    rows = []
+    runs, summary = [], []
     rng = random.Random(7)
     print(f"\nengine thread: {args.decodes} requests decode {args.decode_tokens} tokens while a 64-token request "
-          f"arrives every {args.arrival_s * 1e3:.0f} ms (torch threads {args.threads})")
-    print(f"{'mode':5} {'metaserver':10} {'req p50 us':>10} {'req p99 us':>10} {'step p99 us':>11} {'TPOT ms':>8} "
-          f"{'vs healthy':>10} {'wait max ms':>11}  answers")
+          f"arrives every {args.arrival_s * 1e3:.0f} ms; {args.rounds} rounds of healthy / frozen / killed per mode "
+          f"(torch threads {args.threads})")
+    print(f"{'mode':5} {'metaserver':10} {'round':>5} {'req p50 us':>10} {'req p99 us':>10} {'step p99 us':>11} "
+          f"{'TPOT ms':>8} {'wait max ms':>11} {'engine step max ms':>18}  answers")
     for mode in args.modes.split(","):
         ms = MetaserverProcess(etcd_endpoint, tmp / f"ms-{mode}.log", port=port, log_level="WARNING").start()
         kvt = KVTransferConfig("mooncake", kv_role="kv_consumer", kv_connector_extra_config={
@@ -356,32 +384,53 @@ def _engine(args: argparse.Namespace, etcd_endpoint: str, tmp: Path) -> list[dic
         engine = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20, kv_transfer_config=kvt))
         try:
             _engine_run(engine, args, f"warm-{mode}", rng)  # first steps, connections, the view's snapshot
-            healthy = None
-            for condition in ("healthy", "frozen", "killed"):
-                if condition == "frozen":
-                    os.kill(ms.pid, signal.SIGSTOP)
-                elif condition == "killed":
-                    ms.kill()
-                try:
-                    row = {"mode": mode, "metaserver": condition, **_engine_run(engine, args, f"{mode}-{condition}", rng)}
-                finally:
+            for r in range(args.rounds):
+                for condition in ("healthy", "frozen", "killed"):
                     if condition == "frozen":
-                        os.kill(ms.pid, signal.SIGCONT)
-                healthy = healthy or row["tpot_ms"]
-                row["tpot_vs_healthy"] = row["tpot_ms"] / healthy
-                rows.append(row)
-                answers = (f"view {row['lookup_view_answers']:.0f}, rpc {row['lookup_queries']:.0f}, "
-                           f"deadline {row['lookup_deadline_misses']:.0f}, failed {row['lookup_query_errors']:.0f}, "
-                           f"breaker {row['lookup_breaker_skips']:.0f}")
-                print(f"{mode:5} {condition:10} {row['req_us_p50']:10.0f} {row['req_us_p99']:10.0f} "
-                      f"{row['step_us_p99']:11.0f} {row['tpot_ms']:8.1f} {row['tpot_vs_healthy']:9.2f}x "
-                      f"{row['lookup_wait_ms_max']:11.1f}  {answers}", flush=True)
-                if condition == "frozen":  # let it answer again before the next condition
-                    time.sleep(1.0)
+                        os.kill(ms.pid, signal.SIGSTOP)
+                    elif condition == "killed":
+                        ms.kill()
+                    try:
+                        row = {"mode": mode, "metaserver": condition, "round": r,
+                               **_engine_run(engine, args, f"{mode}-{condition}-{r}", rng)}
+                    finally:
+                        if condition == "frozen":
+                            os.kill(ms.pid, signal.SIGCONT)
+                    runs.append(row)
+                    answers = (f"view {row['lookup_view_answers']:.0f}, rpc {row['lookup_queries']:.0f}, "
+                               f"deadline {row['lookup_deadline_misses']:.0f}, "
+                               f"failed {row['lookup_query_errors']:.0f}, breaker {row['lookup_breaker_skips']:.0f}")
+                    print(f"{mode:5} {condition:10} {r:5} {row['req_us_p50']:10.0f} {row['req_us_p99']:10.0f} "
+                          f"{row['step_us_p99']:11.0f} {row['tpot_ms']:8.1f} {row['lookup_wait_ms_max']:11.1f} "
+                          f"{row['engine_step_ms_max']:18.1f}  {answers}", flush=True)
+                    if condition == "killed":
+                        ms = MetaserverProcess(etcd_endpoint, tmp / f"ms-{mode}-{r}.log", port=port,
+                                               log_level="WARNING").start()
+                    _recovered(engine, mode)
         finally:
             engine.close()
             ms.stop()
-    return rows
+        summary += _summarize([row for row in runs if row["mode"] == mode])
+    print(f"\n{'mode':5} {'metaserver':10} {'TPOT ms (median)':>16} {'vs healthy':>10} {'req p99 us (max)':>16} "
+          f"{'wait max ms':>11} {'waits > deadline + 1 step':>25}")
+    for row in summary:
+        print(f"{row['mode']:5} {row['metaserver']:10} {row['tpot_ms']:16.1f} {row['tpot_vs_healthy']:9.2f}x "
+              f"{row['req_us_p99']:16.0f} {row['lookup_wait_ms_max']:11.1f} {row['waits_over']:25d}")
+    return {"runs": runs, "summary": summary}
+
+
+def _summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for condition in ("healthy", "frozen", "killed"):
+        mine = [row for row in rows if row["metaserver"] == condition]
+        out.append({"mode": rows[0]["mode"], "metaserver": condition,
+                    "tpot_ms": statistics.median(row["tpot_ms"] for row in mine),
+                    "req_us_p99": max(row["req_us_p99"] for row in mine),
+                    "lookup_wait_ms_max": max(row["lookup_wait_ms_max"] for row in mine),
+                    "waits_over": sum(row["waits_over"] for row in mine)})
+    for row in out:
+        row["tpot_vs_healthy"] = row["tpot_ms"] / out[0]["tpot_ms"]
+    return out
 
 
 # ---- main -------------------------------------------------------------------------------

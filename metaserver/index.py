@@ -165,21 +165,23 @@ class BlockIndex:
         load = self._source_load
         suspect = self.suspects() if self._suspect else ()
         prev: NodeId | None = None
+        get, append = ns_map.get, locations.append
         for h in chain:
-            holders = ns_map.get(h)
+            holders = get(h)
             if holders and suspect:
                 holders = {n: loc for n, loc in holders.items() if n not in suspect}
             if not holders:
                 break
-            if requester is not None and requester in holders:
-                chosen = requester
+            if len(holders) == 1:  # the common case, kept short: this loop is every lookup's cost
+                ((chosen, loc),) = holders.items()
+            elif requester in holders:
+                chosen, loc = requester, holders[requester]  # type: ignore[index]
             else:
-                if len(holders) == 1:
-                    chosen = next(iter(holders))
-                else:
-                    chosen = min(holders, key=lambda n: (load[n], n != prev, n))
+                chosen = min(holders, key=lambda n: (load[n], n != prev, n))
+                loc = holders[chosen]
+            if chosen != requester:
                 load[chosen] += 1
-            locations.append(holders[chosen])
+            append(loc)
             if chosen != prev:
                 nodes[chosen] = self.nodes[chosen]
                 prev = chosen

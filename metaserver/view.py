@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import grpc
 
@@ -45,6 +46,7 @@ class IndexView:
         self.namespace = Namespace(namespace)
         self.node_id = node_id
         self.stale_after_s = stale_after_s
+        self._requester = NodeId(node_id) if node_id else None
         self._retry_s = retry_s
         self._lock = threading.Lock()
         self._index = BlockIndex()
@@ -73,8 +75,7 @@ class IndexView:
         if not self.current():
             return None
         with self._lock:
-            return self._index.query(self.namespace, [BlockHash(h) for h in chain],
-                                     NodeId(self.node_id) if self.node_id else None)
+            return self._index.query(self.namespace, cast(Sequence[BlockHash], chain), self._requester)
 
     def wait_current(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ def test_tiny_lookup_bench_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "lookup.json"
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "lookup",
                         "--nodes", "2", "--chains", "8", "--seconds", "0.3", "--batch", "4", "--memory-blocks", "20000",
-                        "--modes", "view", "--decodes", "2", "--decode-tokens", "6", "--arrival-s", "0.1",
+                        "--modes", "view", "--rounds", "1", "--decodes", "2", "--decode-tokens", "6", "--arrival-s", "0.1",
                         "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -29,9 +29,10 @@ def test_tiny_lookup_bench_reports_every_part(tmp_path: Path) -> None:
     assert 0 < report["staleness"]["publish_to_view_p50_ms"] <= report["staleness"]["publish_to_view_p99_ms"]
     mem = report["memory"]
     assert mem["blocks"] == 20000 and mem["bytes_per_block"] > 32 and mem["feed_bytes_per_block"] > 32
-    rows = report["engine"]
-    assert [(row["mode"], row["metaserver"]) for row in rows] == [("view", "healthy"), ("view", "frozen"),
-                                                                  ("view", "killed")]
-    for row in rows:
+    eng = report["engine"]
+    assert [(row["metaserver"], row["round"]) for row in eng["runs"]] == [("healthy", 0), ("frozen", 0), ("killed", 0)]
+    for row in eng["runs"]:
         assert row["new_requests"] >= 1 and row["tpot_ms"] > 0 and row["req_us_p50"] > 0, row
-    assert rows[0]["lookup_view_answers"] >= 1  # healthy: answered by the view
+    assert eng["runs"][0]["lookup_view_answers"] >= 1  # healthy: answered by the view
+    assert [row["metaserver"] for row in eng["summary"]] == ["healthy", "frozen", "killed"]
+    assert eng["summary"][0]["tpot_vs_healthy"] == 1.0
