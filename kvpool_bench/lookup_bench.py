@@ -8,7 +8,8 @@ worker processes. Three parts (`--parts`):
   Mooncake master `batch_is_exist` of the chain's 64 keys; our QueryPrefix one chain per
   call; QueryPrefixBatch with `--batch` chains per call (a node's lookups in flight); and
   the node-local index view (metaserver.view: a local walk, no RPC). Every answer is
-  checked (all 64 present). Also the view's staleness: publish -> visible in a view.
+  checked (all 64 present). Also the view's staleness (publish -> visible in a view), and
+  the failed reads each of `--readers` reader nodes pays after a source is SIGKILLed.
 - memory: a view's memory per indexed block (a local index of `--memory-blocks` blocks over
   four nodes, in its own process) and the feed's bytes per published block per watcher.
 - engine: our engine in this process (the real model) with the pool connector; `--decodes`
@@ -52,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--seconds", type=float, default=3.0, help="duration of each capacity step")
     p.add_argument("--batch", type=int, default=8, help="chains per QueryPrefixBatch call")
     p.add_argument("--memory-blocks", type=int, default=1_000_000)
+    p.add_argument("--readers", type=int, default=4, help="reader nodes of the failed-reads step")
+    p.add_argument("--requests", type=int, default=5, help="requests per reader after the source died")
     p.add_argument("--modes", default="view,rpc", help="lookup modes of the engine part")
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens each decoding request generates")
@@ -261,6 +264,49 @@ def _memory(args: argparse.Namespace) -> dict:
     return out
 
 
+# ---- failed reads -----------------------------------------------------------------------
+
+def _failed_reads(args: argparse.Namespace, ms_address: str) -> dict:
+    """A source pool process holds a chain; `--readers` reader nodes know it; the source is
+    SIGKILLed; each reader then asks for the chain `--requests` times, the readers in turn.
+    Counts the reads that failed per reader (target: at most one each)."""
+    from kvpool_bench.transfer_source import block_hash
+    from kvpool_harness.pool_reader import PoolReader
+
+    size, n = 65536, 8
+    ns, chain = f"bench-{size}", [block_hash(size, i) for i in range(n)]
+    src = subprocess.Popen([sys.executable, "-m", "kvpool_bench.transfer_source", "--metaserver", ms_address,
+                            "--sizes", str(size), "--blocks", str(n)], stdout=subprocess.PIPE, text=True)
+    readers: list[PoolReader] = []
+    try:
+        assert src.stdout is not None
+        src.stdout.readline()  # published
+        readers = [PoolReader(ms_address, f"reader-{i}", ns, size, n) for i in range(args.readers)]
+        deadline = time.monotonic() + 30
+        while any(r.offered(chain) < n * r.block_size for r in readers):  # every reader's view has the chain
+            if time.monotonic() > deadline:
+                raise RuntimeError("the readers never saw the source's chain")
+            time.sleep(0.01)
+        src.kill()
+        src.wait()
+        offered = [0] * len(readers)
+        for _ in range(args.requests):
+            for i, r in enumerate(readers):
+                offered[i] += r.request(chain) > 0
+        failed = [r.failed_loads for r in readers]
+    finally:
+        for r in readers:
+            r.close()
+        if src.poll() is None:
+            src.kill()
+            src.wait()
+    out = {"readers": args.readers, "requests_per_reader": args.requests, "failed_reads_per_reader": failed,
+           "offers_of_the_dead_source_per_reader": offered}
+    print(f"\nfailed reads after the source was SIGKILLed: {args.readers} readers x {args.requests} requests, in turn: "
+          f"per reader {failed} (max {max(failed)}, target <= 1); requests offered the dead source: {offered}")
+    return out
+
+
 # ---- engine -----------------------------------------------------------------------------
 
 class ConnectorTimer:
@@ -273,8 +319,14 @@ class ConnectorTimer:
         self.per_request: dict[str, float] = {}
         self.step_s: list[float] = []
         self.answered_at: dict[str, float] = {}   # request id -> first non-None lookup answer
+        self._connector = connector
         for name in self.PER_REQUEST + self.PER_STEP:
             setattr(connector, name, self._wrap(name, getattr(connector, name)))
+
+    def remove(self) -> None:
+        """Unwrap (the next run's timer must not time this one's wrappers)."""
+        for name in self.PER_REQUEST + self.PER_STEP:
+            delattr(self._connector, name)
 
     def _wrap(self, name: str, fn: Callable) -> Callable:
         per_request = name in self.PER_REQUEST
@@ -328,6 +380,7 @@ def _engine_run(engine, args: argparse.Namespace, label: str, rng: random.Random
                 token_times[out.request_id].append(t1)
     while engine.has_unfinished():
         engine.step()
+    timer.remove()
     after = engine.stats()
     tpot = [(t[-1] - t[1]) / (len(t) - 2) for t in token_times.values() if len(t) > 2]  # after the first decode
     req = [1e6 * timer.per_request[r] for r in added if r in timer.per_request]
@@ -452,6 +505,7 @@ def main(args: argparse.Namespace) -> int:
                         try:
                             report["capacity"] = _capacity(args, ms.address, master, metadata)
                             report["staleness"] = _staleness(ms.address)
+                            report["failed_reads"] = _failed_reads(args, ms.address)
                         finally:
                             store.close()
                 finally:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_tiny_lookup_bench_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "lookup.json"
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "lookup",
-                        "--nodes", "2", "--chains", "8", "--seconds", "0.3", "--batch", "4", "--memory-blocks", "20000",
+                        "--nodes", "2", "--chains", "8", "--seconds", "0.3", "--batch", "4", "--memory-blocks", "20000", "--readers", "2", "--requests", "3",
                         "--modes", "view", "--rounds", "1", "--decodes", "2", "--decode-tokens", "6", "--arrival-s", "0.1",
                         "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -27,6 +27,9 @@ def test_tiny_lookup_bench_reports_every_part(tmp_path: Path) -> None:
         assert row["lookups_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"] and row["wrong"] == 0, row
     assert all(row["vs_mooncake"] > 0 for row in cap[1:])
     assert 0 < report["staleness"]["publish_to_view_p50_ms"] <= report["staleness"]["publish_to_view_p99_ms"]
+    fr = report["failed_reads"]
+    assert len(fr["failed_reads_per_reader"]) == 2 and max(fr["failed_reads_per_reader"]) <= 1
+    assert sum(fr["failed_reads_per_reader"]) >= 1  # someone read from the dead source first
     mem = report["memory"]
     assert mem["blocks"] == 20000 and mem["bytes_per_block"] > 32 and mem["feed_bytes_per_block"] > 32
     eng = report["engine"]
