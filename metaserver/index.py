@@ -154,25 +154,30 @@ class BlockIndex:
 
         A block is served from the requester's own copy when it has one; otherwise from the
         holder that has been handed out least so far (ties: the previous block's source, so
-        chains stay on one node and batch well). A missing block ends the match. Side
+        chains stay on one node and batch well). Suspect nodes (`mark_suspect`) are not
+        offered: a block held only by them ends the match, as a missing block does. Side
         effect: the chosen sources' load counters grow.
         """
         ns_map = self._blocks.get(namespace)
-        locations: list[BlockLocation] = []
         nodes: dict[NodeId, NodeRecord] = {}
         if ns_map is None:
             return QueryResult((), nodes)
+        # The holders of the chain's blocks in one C-level pass, cut at the first missing one:
+        # this walk is every lookup's cost (in the metaserver and in every node's view).
+        found = list(map(ns_map.get, chain))
+        if None in found:
+            del found[found.index(None):]
         load = self._source_load
         suspect = self.suspects() if self._suspect else ()
+        locations: list[BlockLocation] = []
+        append = locations.append
         prev: NodeId | None = None
-        get, append = ns_map.get, locations.append
-        for h in chain:
-            holders = get(h)
-            if holders and suspect:
+        for holders in found:
+            if suspect:
                 holders = {n: loc for n, loc in holders.items() if n not in suspect}
-            if not holders:
-                break
-            if len(holders) == 1:  # the common case, kept short: this loop is every lookup's cost
+                if not holders:
+                    break
+            if len(holders) == 1:  # the common case, kept short
                 ((chosen, loc),) = holders.items()
             elif requester in holders:
                 chosen, loc = requester, holders[requester]  # type: ignore[index]
