@@ -28,3 +28,4 @@ class SaveSpec:
 class PoolConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)   # reads to start this step
     saves: list[SaveSpec] = field(default_factory=list)   # blocks to copy into the pool after the step
+    writes: list[int] = field(default_factory=list)       # cache blocks the step writes (saves of them must stop)

@@ -111,7 +111,7 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:  # noqa: ANN401 - vLLM's signature
         assert self.worker is not None
-        self.worker.start_loads(self._meta().loads)
+        self.worker.begin_step(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads finish before their request is scheduled: nothing to wait for per layer."""

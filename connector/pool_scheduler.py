@@ -122,6 +122,7 @@ class PoolScheduler:
         self._load_failed: set[str] = set()             # requests offered no remote hit again
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
+        self._writes: list[int] = []
 
     def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: start looking its full blocks up now, off this thread."""
@@ -212,6 +213,9 @@ class PoolScheduler:
             return
         bs = self.block_size
         first = num_computed_tokens // bs
+        # Every block the step writes for it (the last one possibly partial): a queued save of
+        # any of them (the host reused the block) must not copy it afterwards.
+        self._writes.extend(block_table[first:-(-(num_computed_tokens + num_new_tokens) // bs)])
         last = min((num_computed_tokens + num_new_tokens) // bs, len(block_hashes), len(block_table))
         if last > first:
             self._saves.append(SaveSpec(request_id, tuple(block_table[first:last]),
@@ -219,8 +223,8 @@ class PoolScheduler:
 
     def build_meta(self) -> PoolConnectorMetadata:
         """This step's loads and saves for the worker half; starts a new step."""
-        meta = PoolConnectorMetadata(self._loads, self._saves)
-        self._loads, self._saves = [], []
+        meta = PoolConnectorMetadata(self._loads, self._saves, self._writes)
+        self._loads, self._saves, self._writes = [], [], []
         return meta
 
     def forget(self, request_id: str) -> None:

@@ -9,13 +9,16 @@ range per block with header room, else a range per layer slice and one for the h
 Completion is polled in `finished_loads()` or awaited in `wait_for_loads()` (woken by the
 read's progress callback, no sleep loop); blocks that
 failed validation come out of `take_load_errors()` for the host to recompute. Saves copy
-newly computed full blocks into the pool; their publication is batched and asynchronous.
+newly computed full blocks into the pool on a saver thread (`connector.saver`), off the
+host's step; `begin_step` fences the blocks a step writes before its forward pass. Their
+publication is batched and asynchronous.
 
 Not thread-safe: the host's worker thread owns it (the pool's own threads call back only
 into a `threading.Event`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,7 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from connector.cache_layout import CacheLayout
-from connector.messages import LoadSpec, SaveSpec
+from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
+from connector.saver import Saver
 from connector.settings import PoolConnectorSettings
 from kvpool.config import PoolConfig
 from kvpool.pool import NodePool, PoolError
@@ -67,6 +71,7 @@ class PoolWorker:
             self._client.close()
             raise
         self.pool: NodePool | None = pool
+        self._saver = Saver(pool.put, block_bytes, settings.save_queue_blocks) if settings.async_saves else None
         self._cache_base = 0
         self._layout: CacheLayout | None = None
         self._loads: dict[str, _Load] = {}
@@ -155,10 +160,22 @@ class PoolWorker:
 
     # ---- saves ----------------------------------------------------------------------
 
+    def begin_step(self, meta: PoolConnectorMetadata) -> None:
+        """Before the step's forward pass: no save copies out of a block this step writes
+        (its computed blocks, its loads' destinations) any more; then its loads start."""
+        if self._saver is not None:
+            self._saver.fence(itertools.chain(meta.writes, *(spec.block_ids for spec in meta.loads)))
+        self.start_loads(meta.loads)
+
     def save(self, saves: Sequence[SaveSpec]) -> None:
-        """Copy the blocks into the pool (publication is batched and asynchronous)."""
+        """Copy the blocks into the pool: on the saver thread (`connector.saver`), or here
+        with `async_saves` off. Publication is batched and asynchronous either way."""
         assert self.pool is not None and self._layout is not None
         n, layout = self.block_bytes, self._layout
+        if self._saver is not None:
+            self._saver.enqueue((b, h, layout.payload(b)) for spec in saves
+                                for b, h in zip(spec.block_ids, spec.block_hashes))
+            return
         for spec in saves:
             for b, h in zip(spec.block_ids, spec.block_hashes):
                 if self.pool.put(h, layout.payload(b), n):
@@ -169,6 +186,11 @@ class PoolWorker:
     def counters(self) -> dict[str, float]:
         """This half's counters (connector_*) and the node pool's (pool_*)."""
         out: dict[str, float] = {f"connector_{k}": v for k, v in asdict(self.stats).items()}
+        if self._saver is not None:
+            saver = self._saver.stats
+            out["connector_saved_blocks"] += saver.saves_copied
+            out.update({f"connector_{k}": v for k, v in asdict(saver).items()},
+                       connector_saves_pending=self._saver.pending())
         if self.pool is not None:
             ps, pool = self.pool.stats, self.pool
             out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
@@ -182,6 +204,8 @@ class PoolWorker:
         """Let reads in flight land, unregister the cache, close the pool. Idempotent."""
         if self.pool is None:
             return
+        if self._saver is not None:
+            self._saver.close()
         for load in self._loads.values():
             if load.handle is not None:
                 load.handle.wait()

@@ -6,7 +6,7 @@ instead of reading the free-form JSON themselves.
 Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
 lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
-view_stale_s, metaserver_tls_ca /
+view_stale_s, async_saves, save_queue_blocks, metaserver_tls_ca /
 metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
 drills: wait this long between the query and the read, so a test can kill or overwrite the
 source).
@@ -54,6 +54,8 @@ class PoolConnectorSettings:
     suspect_s: float = 5.0             # a source whose reads all failed is not offered for this long
     lookup_view: bool = True           # answer lookups from a node-local view of the index (metaserver.view)
     view_stale_s: float = 2.0          # a view silent this long is not used (lookups go by RPC)
+    async_saves: bool = True           # copy saved blocks into the pool on a saver thread, off the step
+    save_queue_blocks: int = 256       # saves waiting beyond this are dropped (never waited for)
     debug_load_delay_s: float = 0.0    # fault drills only: delay between lookup and read
     tls_ca_file: str = ""
     tls_cert_file: str = ""
@@ -83,6 +85,8 @@ class PoolConnectorSettings:
                        suspect_s=float(extra("suspect_s", 5.0)),
                        lookup_view=_flag(extra("lookup_view", True)),
                        view_stale_s=float(extra("view_stale_s", 2.0)),
+                       async_saves=_flag(extra("async_saves", True)),
+                       save_queue_blocks=int(extra("save_queue_blocks", 256)),
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))

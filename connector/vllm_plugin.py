@@ -257,7 +257,7 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_loads(self._meta().loads)
+            self._worker.begin_step(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous and finish before their request is scheduled."""

@@ -153,7 +153,8 @@ class LLMEngine:
         out: dict[str, float] = {
             "prefill_tokens": s.prefill_tokens, "local_hit_tokens": self.block_pool.hits,
             "remote_hit_tokens": s.remote_hit_tokens, "failed_load_blocks": s.failed_load_blocks,
-            "num_requests_loading": s.num_loading, "num_preemptions": s.num_preemptions}
+            "num_requests_loading": s.num_loading, "num_preemptions": s.num_preemptions,
+            "kv_cache_blocks": self.block_pool.num_blocks}
         for half in (self.connector, self.connector_worker):
             if half is not None:
                 for k, v in half.get_kv_connector_stats().items():

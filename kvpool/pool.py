@@ -66,6 +66,7 @@ class NodePool:
         self._lock = threading.Lock()
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._writing: set[BlockHash] = set()  # blocks being copied in by `put` (their slots taken)
         self._lru: OrderedDict[BlockHash, _Slot] = OrderedDict()  # oldest first
         self.stats = PoolStats()
         self._reads = ReadContext(self.te, self._completer, scratch, Peers(self.te, scratch), self.stats,
@@ -184,20 +185,28 @@ class NodePool:
             raise PoolError(f"block hash must be 32 bytes, got {len(block_hash)}")
         h = BlockHash(bytes(block_hash))
         with self._lock:
-            if h in self._lru:
-                self._lru.move_to_end(h)
+            if h in self._lru or h in self._writing:
+                if h in self._lru:
+                    self._lru.move_to_end(h)
                 return False
             if not self._free:
                 self._evict()
+            if not self._free:
+                raise PoolError("every slot of the pool is being written; no room for another block")
             slot = self._slots[self._free.pop()]
             slot.generation += 1
             slot.block_hash = h
+            self._writing.add(h)  # neither free nor in the LRU: nothing reuses the slot meanwhile
             base = self._slot_addr(slot)
             hdr = view(base, HEADER_BYTES)
             hdr[:4] = b"\0\0\0\0"  # not valid while being written
-            for addr, offset, length in segments_of(src_addr, nbytes):
-                memcpy(base + HEADER_BYTES + offset, addr, length)
-            hdr[:] = SlotHeader(MAGIC, slot.generation, nbytes, checksum(base + HEADER_BYTES, nbytes), h).pack()
+        # The copy and its checksum outside the lock: a saver thread must not hold up reads.
+        for addr, offset, length in segments_of(src_addr, nbytes):
+            memcpy(base + HEADER_BYTES + offset, addr, length)
+        header = SlotHeader(MAGIC, slot.generation, nbytes, checksum(base + HEADER_BYTES, nbytes), h).pack()
+        with self._lock:
+            hdr[:] = header
+            self._writing.discard(h)
             self._lru[h] = slot
             self.stats.puts += 1
             record = self._record(slot)

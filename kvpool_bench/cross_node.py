@@ -27,8 +27,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kvpool_bench.report import pct, write_report
-from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace,
-                                    multi_turn, prefix_oracle)
+from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, hash_id_oracle, load_trace,
+                                    mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
 from kvpool_harness.engine_node import read_api_key
 
 BLOCK_SIZE = 16
@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=["multi-turn", "trace"], default="multi-turn")
+    p.add_argument("--workload", choices=["multi-turn", "trace", "unique"], default="multi-turn",
+                   help="unique: prompts that share nothing (what the pool costs where it cannot help)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--engine", choices=["kvpool", "vllm"], default="kvpool",
                    help="the nodes: ours, or vLLM-CPU (with the KVPoolConnector plug-in when pool-on)")
@@ -83,6 +84,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--reply-tokens", type=int, default=0,
                    help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
                         "synthetic replies of N tokens the engine never computed")
+    u = p.add_argument_group("unique prompts")
+    u.add_argument("--unique-requests", type=int, default=200)
+    u.add_argument("--unique-tokens", default="256,2048", help="MIN,MAX prompt tokens (uniform)")
     t = p.add_argument_group("trace replay")
     t.add_argument("--trace", default="", help="Mooncake-format JSONL (e.g. shared/data/mooncake_synthetic_trace.jsonl)")
     t.add_argument("--tokens-per-hash-id", type=int, default=32)
@@ -94,7 +98,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (multi-turn: users at once)")
     p.add_argument("--output-tokens", type=int, default=None,
-                   help="max tokens per request (default: 64 for multi-turn, the model's replies; 8 for a trace)")
+                   help="max tokens per request (default: 64 for multi-turn, the model's replies; 32 for unique; "
+                        "8 for a trace)")
     p.add_argument("--kv-cache-bytes", default="96MiB",
                    help="each node's own KV cache (its local prefix cache), sized like a GPU's: the requests in "
                         "flight and little more; the pool adds DRAM beside it")
@@ -213,11 +218,19 @@ def oracle_hits(results: list[Result], block_size: int = BLOCK_SIZE) -> list[int
 
 
 def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size: int = BLOCK_SIZE,
-              hits: tuple[int, int] | None = None) -> dict:
+              hits: tuple[int, int] | None = None, capacity_blocks: int = 0) -> dict:
     """`hits`: (local, remote) hit tokens of the whole run where the nodes do not report them
-    per request (vLLM)."""
+    per request (vLLM). `capacity_blocks`: the blocks the nodes' caches and pools hold in all
+    (0: unknown), for the capacity-bounded oracles (LRU, Belady's MIN)."""
     oracle_tokens = sum(h for h, r in zip(oracle_hits(results, block_size), results) if not r.error)
     ok = [r for r in results if not r.error]
+    bounded: dict[str, float] = {}
+    if capacity_blocks:
+        lru, belady = bounded_oracles([r.prompt_ids for r in results],
+                                      [r.prompt_ids + r.output_ids[:-1] for r in results], block_size, capacity_blocks)
+        bounded = {"capacity_blocks": capacity_blocks,
+                   "lru_hit_tokens": sum(h for h, r in zip(lru, results) if not r.error),
+                   "belady_hit_tokens": sum(h for h, r in zip(belady, results) if not r.error)}
     prompt = sum(r.prompt_tokens for r in ok)
     local, remote = hits if hits is not None else (sum(r.local_hit_tokens for r in ok),
                                                    sum(r.remote_hit_tokens for r in ok))
@@ -226,7 +239,12 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size
     out_tokens = sum(r.output_tokens for r in ok)
     hit = (local + remote) / prompt if prompt else 0.0
     oracle = oracle_tokens / prompt if prompt else 0.0
-    return {"requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
+    for name in ("lru", "belady"):
+        if bounded and prompt:
+            rate = bounded[f"{name}_hit_tokens"] / prompt
+            bounded[f"{name}_hit_rate"] = rate
+            bounded[f"hit_rate_of_{name}"] = hit / rate if rate else 0.0
+    return {**bounded, "requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
             "local_hit_tokens": local, "remote_hit_tokens": remote, "recomputed_tokens": prompt - local - remote,
             "hit_rate": hit, "oracle_hit_rate": oracle, "hit_rate_of_oracle": hit / oracle if oracle else 0.0,
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
@@ -236,7 +254,7 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size
 
 def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     if args.output_tokens is None:
-        args.output_tokens = 64 if args.workload == "multi-turn" else 8
+        args.output_tokens = {"multi-turn": 64, "unique": 32}.get(args.workload, 8)
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed, args.context_tokens)
@@ -245,6 +263,16 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
                       "user_tokens": args.user_tokens,
                       "replies": f"synthetic, {args.reply_tokens} tokens" if args.reply_tokens else
                       f"the model's, {args.output_tokens} tokens"}
+    if args.workload == "unique":
+        lo, _, hi = args.unique_tokens.partition(",")
+        try:
+            lo_n, hi_n = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"--unique-tokens takes MIN,MAX, got {args.unique_tokens!r}") from None
+        if not 2 <= lo_n <= hi_n:
+            raise ValueError(f"--unique-tokens: need 2 <= MIN <= MAX, got {args.unique_tokens!r}")
+        reqs = unique_prompts(args.unique_requests, lo_n, hi_n, args.output_tokens, args.seed)
+        return reqs, {"unique_requests": len(reqs), "unique_tokens": [lo_n, hi_n]}
     if not args.trace:
         raise ValueError("--workload trace needs --trace PATH")
     rows = load_trace(args.trace, args.max_requests, args.first_request)
@@ -315,7 +343,20 @@ def measure(args: argparse.Namespace, name: str, urls: list[str],
         after = vllm_counters(urls)
         delta = {k: int(after[k] - before[k]) for k in after}  # type: ignore[index]
         return summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"])), results
-    return summarize(results, wall, pool_bytes_read(urls) - before), results
+    return summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls)), results
+
+
+def capacity_blocks(urls: list[str]) -> int:
+    """Blocks the nodes hold in all: their KV caches and their pools' slots (their /stats)."""
+    from kvpool_harness.engine_node import http_json
+
+    total = 0
+    for u in urls:
+        status, body = http_json(f"{u}/stats", timeout_s=10)
+        if status != 200:
+            raise RuntimeError(f"{u}/stats answered HTTP {status}")
+        total += int(body.get("kv_cache_blocks", 0)) + int(body.get("pool_slots", 0))
+    return total
 
 
 def outputs_equal(results: dict[str, list[Result]]) -> int | None:
@@ -336,6 +377,11 @@ def print_table(summaries: dict[str, dict]) -> None:
             ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
             ("oracle hit rate", lambda s: f"{s['oracle_hit_rate']:.1%}"),
             ("hit rate / oracle", lambda s: f"{s['hit_rate_of_oracle']:.1%}"),
+            ("capacity (blocks)", lambda s: f"{s.get('capacity_blocks', 0):,}"),
+            ("LRU / Belady hit rate", lambda s: f"{s['lru_hit_rate']:.1%} / {s['belady_hit_rate']:.1%}"
+             if "lru_hit_rate" in s else "-"),
+            ("hit rate / LRU / Belady", lambda s: f"{s['hit_rate_of_lru']:.1%} / {s['hit_rate_of_belady']:.1%}"
+             if "hit_rate_of_lru" in s else "-"),
             ("TTFT p50 / p90 / p99 (s)", lambda s: f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.2f}"),
             ("TPOT mean (ms)", lambda s: f"{1e3 * s['tpot_mean_s']:.0f}"),
             ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),

@@ -17,12 +17,18 @@
   same requests in the same order, counted exactly as the engine counts its hits (chained
   block hashes; the last prompt token is always computed). The cache holds what the engine
   computed: each request's prompt and its output but the last token (never fed back).
+  `bounded_oracles`: the same with a cache of a given number of blocks, under LRU and under
+  Belady's MIN, so a report can say how much of a miss is capacity and how much policy.
+- `unique_prompts`: prompts that share nothing (what the pool costs where it cannot help).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import random
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,4 +172,79 @@ def prefix_oracle(prompts: Sequence[Sequence[int]], computed: Sequence[Sequence[
             n += 1
         out.append(n * block_size)
         seen.update(hash_blocks(seed, done, block_size))
+    return out
+
+
+def unique_prompts(n: int, min_tokens: int, max_tokens: int, max_output_tokens: int, seed: int) -> list[BenchRequest]:
+    """`n` requests whose prompts share nothing (random tokens, lengths uniform in
+    [min_tokens, max_tokens]): the workload where a pool cannot help, to show what it costs."""
+    rng = random.Random(seed)
+    return [BenchRequest(f"u{i}", _tokens(rng, rng.randint(min_tokens, max_tokens)), max_output_tokens)
+            for i in range(n)]
+
+
+def bounded_oracles(prompts: Sequence[Sequence[int]], computed: Sequence[Sequence[int]], block_size: int,
+                    capacity_blocks: int, fingerprint: str = "") -> tuple[list[int], list[int]]:
+    """Per prompt, the tokens a shared cache of `capacity_blocks` blocks would hit under LRU
+    and under Belady's MIN (evict the block used furthest in the future), request i leaving
+    the full blocks of `computed[i]` behind as `prefix_oracle` does."""
+    seed = chain_seed(fingerprint, None)
+    refs = [hash_blocks(seed, p, block_size)[:(len(p) - 1) // block_size] for p in prompts]
+    puts = [hash_blocks(seed, d, block_size) for d in computed]
+    return ([n * block_size for n in lru_hits(refs, puts, capacity_blocks)],
+            [n * block_size for n in belady_hits(refs, puts, capacity_blocks)])
+
+
+def _prefix_in(cache: Container[object], ref: Sequence[object]) -> int:
+    n = 0
+    while n < len(ref) and ref[n] in cache:
+        n += 1
+    return n
+
+
+def lru_hits(refs: Sequence[Sequence[Hashable]], puts: Sequence[Sequence[Hashable]], capacity: int) -> list[int]:
+    """Blocks hit per request (the longest present prefix of `refs[i]`) by an LRU cache of
+    `capacity` blocks; the hit blocks are used, then `puts[i]` are used or inserted."""
+    cache: OrderedDict[Hashable, None] = OrderedDict()
+    out = []
+    for ref, put in zip(refs, puts, strict=True):
+        n = _prefix_in(cache, ref)
+        out.append(n)
+        for h in itertools.chain(ref[:n], put):
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return out
+
+
+def belady_hits(refs: Sequence[Sequence[Hashable]], puts: Sequence[Sequence[Hashable]], capacity: int) -> list[int]:
+    """As `lru_hits`, evicting instead the block whose next reference (by a later request's
+    `refs`) is furthest away, never-referenced blocks first (Belady's MIN). With prefix
+    lookups (a block counts only behind its whole prefix) it is the classic bound's rule, not
+    a proven optimum; it is what "any policy" approaches with this much memory."""
+    uses: dict[Hashable, deque[int]] = {}
+    for i, ref in enumerate(refs):
+        for h in dict.fromkeys(ref):
+            uses.setdefault(h, deque()).append(i)
+    never = len(refs)
+    cache: dict[Hashable, int] = {}        # block -> its next use
+    heap: list[tuple[int, int, Hashable]] = []  # (-next use, tiebreak, block); stale entries skipped
+    tiebreak = itertools.count()
+    out = []
+    for i, (ref, put) in enumerate(zip(refs, puts, strict=True)):
+        n = _prefix_in(cache, ref)
+        out.append(n)
+        for h in dict.fromkeys(itertools.chain(ref[:n], put)):
+            q = uses.get(h)
+            while q and q[0] <= i:
+                q.popleft()
+            cache[h] = q[0] if q else never
+            heapq.heappush(heap, (-cache[h], next(tiebreak), h))
+        while len(cache) > capacity:
+            neg, _, h = heapq.heappop(heap)
+            if cache.get(h) == -neg:
+                del cache[h]
     return out

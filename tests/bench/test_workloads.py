@@ -137,3 +137,36 @@ def test_routing() -> None:
     assert route("round-robin", 5, 2, 0) == [0, 1, 0, 1, 0]
     r = route("random", 200, 3, 7)
     assert r == route("random", 200, 3, 7) and set(r) == {0, 1, 2}
+
+
+def test_lru_and_belady_hit_counts_match_hand_computed_ones() -> None:
+    from kvpool_bench.workloads import belady_hits, lru_hits
+
+    # One block per request, capacity 2: A B C A B D A.
+    seq = [["A"], ["B"], ["C"], ["A"], ["B"], ["D"], ["A"]]
+    # LRU: every reference misses (A, B and C chase each other out; D evicts A before its reuse).
+    assert lru_hits(seq, seq, 2) == [0, 0, 0, 0, 0, 0, 0]
+    # MIN: C (never used again) goes at once, so A and B hit; D goes at once, so A hits again.
+    assert belady_hits(seq, seq, 2) == [0, 0, 0, 1, 1, 0, 1]
+    # Prefixes: a block counts only behind its whole prefix; capacity 3.
+    refs = [["s", "x"], ["s", "y"], ["s", "x", "z"], ["s", "y"]]
+    puts = [["s", "x"], ["s", "y"], ["s", "x", "z"], ["s", "y"]]
+    # LRU: after request 2 the cache holds s, x, z (y evicted as least recent): request 3 hits s only.
+    assert lru_hits(refs, puts, 3) == [0, 1, 2, 1]
+    # MIN keeps y (used by request 3) and drops a block never used again (x or z).
+    assert belady_hits(refs, puts, 3) == [0, 1, 2, 2]
+    # Unbounded, both are the infinite-cache oracle.
+    assert lru_hits(refs, puts, 100) == belady_hits(refs, puts, 100) == [0, 1, 2, 2]
+
+
+def test_bounded_oracles_agree_with_the_infinite_oracle_when_everything_fits() -> None:
+    from kvpool_bench.workloads import bounded_oracles, prefix_oracle, unique_prompts
+
+    reqs = multi_turn(3, 3, 1, 64, 16, 8, 4, seed=1, context_tokens=32)
+    prompts = [r.prompt for r in reqs]
+    lru, belady = bounded_oracles(prompts, prompts, 16, 10_000)
+    assert lru == belady == prefix_oracle(prompts, prompts, 16) and sum(lru) > 0
+    small_lru, small_belady = bounded_oracles(prompts, prompts, 16, 4)
+    assert sum(small_lru) <= sum(small_belady) <= sum(lru)
+    unique = [r.prompt for r in unique_prompts(20, 40, 80, 4, seed=2)]
+    assert bounded_oracles(unique, unique, 16, 10_000) == ([0] * 20, [0] * 20)

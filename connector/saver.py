@@ -1,0 +1,126 @@
+"""Saves off the host's thread: a copier thread moves newly full cache blocks into the pool.
+
+Where it sits: the worker half queues a step's saves after the forward pass (`enqueue`) and
+returns at once; the copier thread copies each block into the node pool (`NodePool.put`,
+which publishes the block only once its bytes and checksum are in the slot). On CUDA the
+same contract would be an async device-to-host copy on its own stream; on CPU it is a thread
+(the copy releases the GIL).
+
+The one hazard: the host may reuse a cache block (evicted from its prefix cache and handed
+to another request, or the destination of a load) while its save is queued or being copied,
+and the copy would then save the new bytes under the old hash. So before every step's forward
+pass (and its loads) the worker calls `fence(blocks the step writes)`: queued saves of those
+blocks are dropped (counted), and a copy of one of them in progress is waited for (that one
+copy only). The host's step never waits for anything else.
+
+Throttling: at most `max_pending` blocks wait; a save beyond that is dropped (counted), never
+waited for: the pool may miss a block, decode never stalls on it.
+
+Thread-safe: one condition guards the queue and the block being copied.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvpool.layout import Payload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaverStats:
+    saves_queued: int = 0           # blocks handed to the copier
+    saves_copied: int = 0           # blocks the copier put into the pool (new there)
+    saves_dropped_behind: int = 0   # not queued: the copier had max_pending blocks waiting
+    saves_dropped_reused: int = 0   # dropped from the queue: the host reused the cache block first
+    fence_waits: int = 0            # steps that waited for a copy in progress of a block they write
+
+
+@dataclass(frozen=True, slots=True)
+class _Save:
+    block_id: int           # the host's cache block (what a fence names)
+    block_hash: bytes
+    payload: Payload        # where the block's bytes are in the cache
+
+
+class Saver:
+    def __init__(self, put: Callable[[bytes, Payload, int], bool], block_bytes: int, max_pending: int = 256) -> None:
+        """`put(hash, payload, nbytes)`: the pool's put (True if the block was new there)."""
+        self._put = put
+        self._block_bytes = block_bytes
+        self.max_pending = max_pending
+        self.stats = SaverStats()
+        self._cond = threading.Condition()
+        self._queue: deque[_Save] = deque()
+        self._copying: int | None = None   # block id being copied now
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
+        self._thread.start()
+
+    # ---- the host's side ------------------------------------------------------------
+
+    def enqueue(self, saves: Iterable[tuple[int, bytes, Payload]]) -> None:
+        """Queue (block id, hash, payload) saves; those beyond `max_pending` are dropped."""
+        with self._cond:
+            for block_id, h, payload in saves:
+                if len(self._queue) >= self.max_pending:
+                    self.stats.saves_dropped_behind += 1
+                    continue
+                self._queue.append(_Save(block_id, h, payload))
+                self.stats.saves_queued += 1
+            self._cond.notify_all()
+
+    def fence(self, block_ids: Iterable[int]) -> None:
+        """The host is about to write `block_ids`: no save may read them afterwards."""
+        ids = set(block_ids)
+        if not ids:
+            return
+        with self._cond:
+            if self._queue:
+                kept = deque(s for s in self._queue if s.block_id not in ids)
+                self.stats.saves_dropped_reused += len(self._queue) - len(kept)
+                self._queue = kept
+            if self._copying in ids:
+                self.stats.fence_waits += 1
+                self._cond.wait_for(lambda: self._copying not in ids)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued save is copied; False at the timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and self._copying is None, timeout_s)
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + (self._copying is not None)
+
+    def close(self) -> None:
+        """Stop after the copy in progress; queued saves are dropped."""
+        with self._cond:
+            self._stop = True
+            self._queue.clear()
+            self._cond.notify_all()
+        self._thread.join(10)
+
+    # ---- the copier thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._queue)
+                if self._stop:
+                    return
+                save = self._queue.popleft()
+                self._copying = save.block_id
+            try:
+                new = self._put(save.block_hash, save.payload, self._block_bytes)
+            except Exception:  # noqa: BLE001 - a failed save loses one block; the copier goes on
+                log.exception("saving block %d into the pool failed", save.block_id)
+                new = False
+            with self._cond:
+                self._copying = None
+                self.stats.saves_copied += bool(new)
+                self._cond.notify_all()
