@@ -39,6 +39,7 @@ CAP = 1 << 20
 BLOCK = 4096
 SERVICE = pb.DESCRIPTOR.services_by_name["MetaService"]
 METHODS = [m.name for m in SERVICE.methods]
+STREAMS = {m.name for m in SERVICE.methods if m.server_streaming}
 REQUEST = {m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods}
 RESPONSE = {m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods}
 EXPECTED_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
@@ -162,9 +163,14 @@ class Pool:
         return snap
 
     def raw(self, method: str, payload: bytes) -> tuple[grpc.StatusCode, str, bytes]:
-        call = self.channel.unary_unary(f"/{SERVICE.full_name}/{method}")  # identity serializers: bytes
+        path = f"/{SERVICE.full_name}/{method}"
         try:
-            return grpc.StatusCode.OK, "", call(payload, timeout=10)
+            if method in STREAMS:  # the first message of the stream (a snapshot's), then cancel
+                stream = self.channel.unary_stream(path)(payload, timeout=10)
+                first = next(stream)
+                stream.cancel()
+                return grpc.StatusCode.OK, "", first
+            return grpc.StatusCode.OK, "", self.channel.unary_unary(path)(payload, timeout=10)  # bytes in, bytes out
         except grpc.RpcError as err:
             return err.code(), err.details() or "", b""
 
@@ -206,8 +212,10 @@ class Pool:
             assert response.session_token and 1 <= response.lease_ttl_s <= 3600
             if request.node_id not in {held.node_id for held in BASELINE}:
                 self.client.unregister_node(request.node_id, response.lease_id)
-        elif method in ("QueryPrefix", "QueryPrefixBatch", "Stats", "ListNodes", "KeepAlive"):
+        elif method in ("QueryPrefix", "QueryPrefixBatch", "Stats", "ListNodes", "KeepAlive", "WatchIndex"):
             assert after.state() == before.state(), f"{method} changed the index"
+        if method == "WatchIndex":  # a snapshot of the namespace starts the stream
+            assert response.reset and response.epoch, response
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +290,8 @@ MESSAGES: dict[str, st.SearchStrategy[Message]] = {
     "ReportFailedRead": st.builds(pb.ReportFailedReadRequest, reporter_node_id=NODE_ID,
                                   source_node_id=NODE_ID,
                                   block_hashes=HASHES),
+    "WatchIndex": st.builds(pb.WatchIndexRequest, namespace=NAMESPACE, epoch=st.one_of(st.just(""), st.text(max_size=20)),
+                            after_seq=U64, watcher_node_id=NODE_ID),
     "Invalidate": invalidate_requests(),
     "Drain": st.builds(pb.DrainRequest, node_id=NODE_ID),
     "Stats": st.just(pb.StatsRequest()),
