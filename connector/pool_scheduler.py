@@ -62,15 +62,16 @@ class FailedReads:
         bad = set(failed)
         reports: list[tuple[str, list[bytes]]] = []
         for node, idx in per_node.items():
-            if bad.issuperset(idx):
+            failed_here = sorted(bad.intersection(idx))
+            if len(failed_here) == len(idx):
                 self._nodes[node] = until
                 reports.append((node, []))
                 log.warning("reads from node %s failed: not offering its blocks for %.0f s", node, self.suspect_s)
-            elif bad.intersection(idx):
-                for i in bad.intersection(idx):
+            elif failed_here:
+                for i in failed_here:
                     loc = locations[i]
                     self._blocks[(loc.node_id, loc.block_hash, loc.generation)] = until
-                reports.append((node, [locations[i].block_hash for i in sorted(bad.intersection(idx))]))
+                reports.append((node, [locations[i].block_hash for i in failed_here]))
         return reports
 
     def usable(self, locations: Sequence[BlockLocation]) -> int:

@@ -185,9 +185,10 @@ class NodePool:
             raise PoolError(f"block hash must be 32 bytes, got {len(block_hash)}")
         h = BlockHash(bytes(block_hash))
         with self._lock:
-            if h in self._lru or h in self._writing:
-                if h in self._lru:
-                    self._lru.move_to_end(h)
+            if h in self._lru:
+                self._lru.move_to_end(h)
+                return False
+            if h in self._writing:  # another thread is copying it in
                 return False
             if not self._free:
                 self._evict()

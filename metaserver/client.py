@@ -28,7 +28,7 @@ from kvpool_proto.kvpool.v1 import meta_pb2_grpc as pb_grpc
 from metaserver.auth import SESSION_KEY
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
-from metaserver.store import node_from_pb
+from metaserver.store import node_from_pb, record_to_pb
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
                               NodeRecord, QueryResult)
 
@@ -160,9 +160,7 @@ class MetaClient:
     # ---- blocks ---------------------------------------------------------------------
 
     def publish(self, node_id: str, records: Sequence[BlockRecord]) -> int:
-        msg = pb.PublishRequest(node_id=node_id, blocks=[
-            pb.BlockRecord(block_hash=r.block_hash, offset=r.offset, size_bytes=r.size_bytes, generation=r.generation)
-            for r in records])
+        msg = pb.PublishRequest(node_id=node_id, blocks=[record_to_pb(r) for r in records])
         return self._rpc("Publish", msg, node_id=node_id).num_published
 
     def unpublish(self, node_id: str, hashes: Sequence[bytes]) -> int:

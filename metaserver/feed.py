@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
-from metaserver.store import node_to_pb
+from metaserver.store import node_to_pb, record_to_pb
 from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
 
 SNAPSHOT_CHUNK = 8192  # blocks per snapshot message (a 1M-block namespace: ~120 messages)
@@ -118,8 +118,7 @@ def encode_changes(changes: Iterable[Change], epoch: str, seq: int) -> pb.IndexE
             ev.removed_hashes.append(h)
         else:
             ev.block_nodes.append(node_id)
-            ev.blocks.append(pb.BlockRecord(block_hash=rec.block_hash, offset=rec.offset,
-                                            size_bytes=rec.size_bytes, generation=rec.generation))
+            ev.blocks.append(record_to_pb(rec))
     for node_id, t in marks.items():
         if t is not None:
             ev.suspect_nodes.append(node_id)
@@ -136,7 +135,6 @@ def encode_snapshot(nodes: list[NodeRecord], blocks: list[BlockLocation], suspec
     for i, chunk in enumerate(chunks):
         ev = first if i == 0 else pb.IndexEvent(epoch=epoch, seq=seq)
         ev.block_nodes.extend(loc.node_id for loc in chunk)
-        ev.blocks.extend(pb.BlockRecord(block_hash=loc.block_hash, offset=loc.offset, size_bytes=loc.size_bytes,
-                                        generation=loc.generation) for loc in chunk)
+        ev.blocks.extend(record_to_pb(loc) for loc in chunk)
         ev.current = i == len(chunks) - 1
         yield ev

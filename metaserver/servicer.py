@@ -31,8 +31,8 @@ from metaserver.auth import METHOD_ACCESS, OPEN, Authenticator, Caller
 from metaserver.errors import InvalidArgument, MetaError, Unavailable
 from metaserver.feed import encode_changes, encode_snapshot
 from metaserver.service import MetaService
-from metaserver.store import node_to_pb
-from metaserver.types import BlockHash, BlockRecord, Namespace, NodeRecord, QueryResult
+from metaserver.store import node_to_pb, record_from_pb
+from metaserver.types import Namespace, NodeRecord, QueryResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -152,7 +152,7 @@ class MetaServicer:
 
     def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext,
                 caller: Caller) -> pb.PublishResponse:
-        records = [BlockRecord(BlockHash(b.block_hash), b.offset, b.size_bytes, b.generation) for b in request.blocks]
+        records = [record_from_pb(b) for b in request.blocks]
         n = _call(context, lambda: self.service.publish(request.node_id, records, caller.node_session))
         return pb.PublishResponse(num_published=n)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.config import MetaServerConfig
 from metaserver.etcd import Delete, EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, Op, Put, WatchEvent
-from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,16 @@ def node_to_pb(node: NodeRecord, *, stored: bool = False) -> pb.NodeInfo:
                        layout_fingerprint=node.namespace, lease_id=node.lease_id,
                        lease_ttl_s=node.lease_ttl_s, draining=node.draining,
                        session_digest=node.session_digest if stored else b"")
+
+
+def record_to_pb(rec: BlockRecord | BlockLocation) -> pb.BlockRecord:
+    """A block record (or one copy's location: the same fields but the holder) as BlockRecord."""
+    return pb.BlockRecord(block_hash=rec.block_hash, offset=rec.offset, size_bytes=rec.size_bytes,
+                          generation=rec.generation)
+
+
+def record_from_pb(msg: pb.BlockRecord) -> BlockRecord:
+    return BlockRecord(BlockHash(msg.block_hash), msg.offset, msg.size_bytes, msg.generation)
 
 
 def node_from_pb(msg: pb.NodeInfo) -> NodeRecord:

@@ -33,8 +33,8 @@ import grpc
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.client import MetaClient
 from metaserver.index import BlockIndex
-from metaserver.store import node_from_pb
-from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, QueryResult
+from metaserver.store import node_from_pb, record_from_pb
+from metaserver.types import BlockHash, Namespace, NodeId, QueryResult
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ class IndexView:
             for node_id, h in zip(ev.removed_block_nodes, ev.removed_hashes):
                 target.remove_block(NodeId(node_id), BlockHash(h))
             for node_id, b in zip(ev.block_nodes, ev.blocks):
-                target.add_block(NodeId(node_id), BlockRecord(BlockHash(b.block_hash), b.offset, b.size_bytes,
-                                                              b.generation))
+                target.add_block(NodeId(node_id), record_from_pb(b))
             for node_id in ev.removed_nodes:
                 target.remove_node(NodeId(node_id))
             for node_id, for_s in zip(ev.suspect_nodes, ev.suspect_for_s):
