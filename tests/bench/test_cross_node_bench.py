@@ -45,3 +45,13 @@ def test_short_cross_node_run_writes_a_complete_report(tmp_path: Path) -> None:
     for p in report["plots"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hit rate / oracle" in proc.stdout
+
+
+@pytest.mark.parametrize("bad", ["5,2", "1,8", "many", "8,x"])
+def test_bad_unique_prompt_lengths_are_a_one_line_error_before_any_node_starts(tmp_path: Path, bad: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "cross-node", "--workload", "unique",
+                        "--unique-tokens", bad, "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("kvpool bench cross-node: error: --unique-tokens")
+    assert not (tmp_path / "run").exists()  # nothing started
