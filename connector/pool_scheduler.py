@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from connector.lookup import Lookups, LookupState
 from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
+from connector.save_policy import SavePolicy
 from connector.settings import PoolConnectorSettings
 from metaserver.client import MetaClient
 from metaserver.types import BlockHash, BlockLocation, NodeId, NodeRecord
@@ -124,6 +125,7 @@ class PoolScheduler:
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
         self._writes: list[int] = []
+        self._save_policy = SavePolicy(settings.save_policy, settings.save_seen_blocks)
 
     def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: start looking its full blocks up now, off this thread."""
@@ -209,7 +211,8 @@ class PoolScheduler:
     def plan_save(self, request_id: str, num_computed_tokens: int, num_new_tokens: int, block_table: Sequence[int],
                   block_hashes: Sequence[bytes]) -> None:
         """The request computes `num_new_tokens` after `num_computed_tokens` this step: save
-        the blocks that become full (those with a hash and a cache block)."""
+        the blocks that become full (those with a hash and a cache block) that the save policy
+        (`connector.save_policy`) picks."""
         if not self.produce:
             return
         bs = self.block_size
@@ -219,8 +222,10 @@ class PoolScheduler:
         self._writes.extend(block_table[first:-(-(num_computed_tokens + num_new_tokens) // bs)])
         last = min((num_computed_tokens + num_new_tokens) // bs, len(block_hashes), len(block_table))
         if last > first:
-            self._saves.append(SaveSpec(request_id, tuple(block_table[first:last]),
-                                        tuple(BlockHash(h) for h in block_hashes[first:last])))
+            keep = self._save_policy.select(block_hashes[first:last])
+            if keep:
+                self._saves.append(SaveSpec(request_id, tuple(block_table[first + i] for i in keep),
+                                            tuple(BlockHash(block_hashes[first + i]) for i in keep)))
 
     def build_meta(self) -> PoolConnectorMetadata:
         """This step's loads and saves for the worker half; starts a new step."""
@@ -241,7 +246,8 @@ class PoolScheduler:
         view = {} if self._view is None else {
             "lookup_view_answers": self.view_answers, "lookup_view_current": int(self._view.current()),
             "lookup_view_snapshots": self._view.snapshots, "lookup_view_resumes": self._view.resumes}
-        return {"connector_hit_blocks": self.hit_blocks, **self._lookups.counters(), **view, **self._avoid.counters()}
+        return {"connector_hit_blocks": self.hit_blocks, "connector_saves_skipped": self._save_policy.skipped,
+                **self._lookups.counters(), **view, **self._avoid.counters()}
 
     def close(self) -> None:
         if self._view is not None:

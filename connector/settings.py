@@ -6,7 +6,8 @@ instead of reading the free-form JSON themselves.
 Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
 lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
-view_stale_s, async_saves, save_queue_blocks, metaserver_tls_ca /
+view_stale_s, async_saves, save_queue_blocks, save_policy (write_through | selective: see
+`connector.save_policy`), save_seen_blocks, metaserver_tls_ca /
 metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
 drills: wait this long between the query and the read, so a test can kill or overwrite the
 source).
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from connector.save_policy import POLICIES
 from kvpool.layout import parse_size
 from kvpool.transfer import TransferConfig
 from metaserver.client import MetaClient
@@ -56,6 +58,8 @@ class PoolConnectorSettings:
     view_stale_s: float = 2.0          # a view silent this long is not used (lookups go by RPC)
     async_saves: bool = True           # copy saved blocks into the pool on a saver thread, off the step
     save_queue_blocks: int = 256       # saves waiting beyond this are dropped (never waited for)
+    save_policy: str = "write_through"  # or "selective": save a block from its second computation here
+    save_seen_blocks: int = 65536      # selective: block hashes remembered as computed once
     debug_load_delay_s: float = 0.0    # fault drills only: delay between lookup and read
     tls_ca_file: str = ""
     tls_cert_file: str = ""
@@ -87,11 +91,19 @@ class PoolConnectorSettings:
                        view_stale_s=float(extra("view_stale_s", 2.0)),
                        async_saves=_flag(extra("async_saves", True)),
                        save_queue_blocks=int(extra("save_queue_blocks", 256)),
+                       save_policy=str(extra("save_policy", "write_through")),
+                       save_seen_blocks=int(extra("save_seen_blocks", 65536)),
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
+
+    def __post_init__(self) -> None:
+        if self.save_policy not in POLICIES:
+            raise ValueError(f"save_policy must be one of {', '.join(POLICIES)}, got {self.save_policy!r}")
+        if self.save_seen_blocks < 1 or self.save_queue_blocks < 1:
+            raise ValueError("save_seen_blocks and save_queue_blocks must be >= 1")
 
     def meta_client(self) -> MetaClient:
         """A new metaserver client with these credentials (each half owns its own: in vLLM the

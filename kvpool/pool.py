@@ -6,7 +6,8 @@ Mooncake Transfer Engine so other nodes read slots one-sidedly; the metaserver l
 this node holds through batched Publish calls (`kvpool.publisher`).
 
 Invariants:
-- A slot is unpublished before it is reused (eviction is synchronous with the metaserver).
+- A slot is unpublished before it is reused: an evicted slot leaves the LRU at once, is
+  unpublished (outside the lock) and only then freed.
 - Every read is validated against (hash, generation, checksum); a block the source evicted
   or overwrote meanwhile is reported failed, never handed on as good.
 
@@ -154,12 +155,17 @@ class NodePool:
         with self._lock:
             return len(self._lru)
 
-    def _evict(self) -> None:
-        """Free up to evict_batch LRU slots; unpublish them before they can be reused."""
+    def _take_victims(self) -> list[_Slot]:
+        """Under the lock: take up to evict_batch LRU slots out of the LRU (no longer offered
+        locally, not yet free). `_retire` unpublishes and frees them."""
         victims = []
         while self._lru and len(victims) < self.config.evict_batch:
-            _, slot = self._lru.popitem(last=False)
-            victims.append(slot)
+            victims.append(self._lru.popitem(last=False)[1])
+        return victims
+
+    def _retire(self, victims: list[_Slot]) -> None:
+        """Unpublish evicted slots, then free them. Called without the lock: the RPC must not
+        hold up reads and other puts (with the metaserver frozen it lasts a whole deadline)."""
         hashes = [s.block_hash for s in victims if s.block_hash is not None]
         if self.client is not None and hashes:
             try:
@@ -167,10 +173,11 @@ class NodePool:
             except MetaError as err:
                 # Readers still validate the generation, so a stale entry only costs a miss.
                 log.warning("node %s: unpublish of %d evicted blocks failed: %s", self.config.node_id, len(hashes), err)
-        for slot in victims:
-            slot.block_hash = None
-            self._free.append(slot.index)
-        self.stats.evictions += len(victims)
+        with self._lock:
+            for slot in victims:
+                slot.block_hash = None
+                self._free.append(slot.index)
+            self.stats.evictions += len(victims)
 
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
@@ -184,23 +191,26 @@ class NodePool:
         if len(block_hash) != 32:
             raise PoolError(f"block hash must be 32 bytes, got {len(block_hash)}")
         h = BlockHash(bytes(block_hash))
-        with self._lock:
-            if h in self._lru:
-                self._lru.move_to_end(h)
-                return False
-            if h in self._writing:  # another thread is copying it in
-                return False
-            if not self._free:
-                self._evict()
-            if not self._free:
-                raise PoolError("every slot of the pool is being written; no room for another block")
-            slot = self._slots[self._free.pop()]
-            slot.generation += 1
-            slot.block_hash = h
-            self._writing.add(h)  # neither free nor in the LRU: nothing reuses the slot meanwhile
-            base = self._slot_addr(slot)
-            hdr = view(base, HEADER_BYTES)
-            hdr[:4] = b"\0\0\0\0"  # not valid while being written
+        while True:
+            with self._lock:
+                if h in self._lru:
+                    self._lru.move_to_end(h)
+                    return False
+                if h in self._writing:  # another thread is copying it in
+                    return False
+                if self._free:
+                    slot = self._slots[self._free.pop()]
+                    slot.generation += 1
+                    slot.block_hash = h
+                    self._writing.add(h)  # neither free nor in the LRU: nothing reuses the slot meanwhile
+                    base = self._slot_addr(slot)
+                    hdr = view(base, HEADER_BYTES)
+                    hdr[:4] = b"\0\0\0\0"  # not valid while being written
+                    break
+                victims = self._take_victims()
+                if not victims:
+                    raise PoolError("every slot of the pool is being written; no room for another block")
+            self._retire(victims)  # then try again: another put may have taken the freed slots
         # The copy and its checksum outside the lock: a saver thread must not hold up reads.
         for addr, offset, length in segments_of(src_addr, nbytes):
             memcpy(base + HEADER_BYTES + offset, addr, length)

