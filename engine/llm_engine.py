@@ -72,8 +72,7 @@ class LLMEngine:
         num_blocks = max(2, config.kv_cache_bytes // slot_bytes)
         self.cache = PagedKVCache(self.layout, num_blocks, header_bytes)
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        self.fingerprint = (f"{mc.name}|{config.dtype}|bs{config.block_size}|L{mc.num_layers}|kv{mc.num_kv_heads}"
-                            f"|hd{mc.head_dim}")
+        self.fingerprint = mc.layout_fingerprint(config.dtype, config.block_size)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size, self.fingerprint)
         self.connector, self.connector_worker = self._make_connectors(config)

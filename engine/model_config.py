@@ -21,6 +21,12 @@ class ModelConfig:
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
 
+    def layout_fingerprint(self, dtype: str, block_size: int) -> str:
+        """The namespace of this model's KV blocks in a given dtype and block size: equal
+        fingerprints mean interchangeable blocks (the chain hashes start from it)."""
+        return (f"{self.name}|{dtype}|bs{block_size}|L{self.num_layers}|kv{self.num_kv_heads}"
+                f"|hd{self.head_dim}")
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")

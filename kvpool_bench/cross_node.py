@@ -75,6 +75,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default="on,off",
                    help="pool configurations to run, comma-separated: on (save policy write_through), off, "
                         "selective (pool on, save_policy selective)")
+    p.add_argument("--fronts", default="client",
+                   help="what routes the requests, comma-separated (each runs every --configs): client (the "
+                        "benchmark sends each request to the node --routing names), round-robin, least-loaded, "
+                        "prefix (`kvpool router` with that policy, reading the index when the pool is on), "
+                        "vllm-router:POLICY (PyPI vllm-router, e.g. cache_aware or round_robin)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the configurations this many times, alternating, each on a fresh cluster; the "
                         "table shows each figure's median over the rounds (this machine's speed drifts by "
@@ -294,20 +299,44 @@ CONFIGS = {"on": None, "off": None,
                          "kv_connector_extra_config": {"save_policy": "selective"}}}
 
 
-def run_config(args: argparse.Namespace, config: str, requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
-    """One configuration (a key of CONFIGS) on a fresh cluster, or on the running `--urls`."""
-    from kvpool_harness.cluster import ClusterSpec, LocalCluster
+OUR_FRONTS = ("round-robin", "least-loaded", "prefix")
 
-    name = f"pool-{config}"
+
+def config_name(config: str, front: str) -> str:
+    return f"pool-{config}" if front == "client" else f"{front}/pool-{config}"
+
+
+def check_fronts(fronts: list[str]) -> None:
+    for f in fronts:
+        if f != "client" and f not in OUR_FRONTS and not (f.startswith("vllm-router:") and f.split(":", 1)[1]):
+            raise ValueError(f"--fronts: unknown front {f!r} (client, {', '.join(OUR_FRONTS)}, vllm-router:POLICY)")
+
+
+def run_config(args: argparse.Namespace, config: str, requests: list[BenchRequest],
+               front: str = "client") -> tuple[dict, list[Result]]:
+    """One configuration (a key of CONFIGS) behind one front on a fresh cluster, or on the
+    running `--urls`."""
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster
+    from kvpool_harness.router_node import VllmRouterProcess
+
+    name = config_name(config, front)
     if args.urls:  # nodes that are already running (their caches may be warm)
         return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests)
     spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=config != "off",
                        pool_size=args.pool_size, kv_transfer_config=CONFIGS[config],
-                       engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg))
-    with LocalCluster(Path(args.run_dir) / name, spec) as cluster:
+                       engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg),
+                       router=front if front in OUR_FRONTS else "")
+    run_dir = Path(args.run_dir) / name.replace("/", "_").replace(":", "-")
+    with LocalCluster(run_dir, spec) as cluster:
+        nodes = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
-        return measure(args, name, [n.url for n in cluster.nodes], requests)
+        if cluster.router is not None:
+            return measure(args, name, [cluster.router.url], requests, nodes)
+        if front.startswith("vllm-router:"):
+            with VllmRouterProcess(run_dir / "vllm-router.log", nodes, front.split(":", 1)[1]) as vr:
+                return measure(args, name, [vr.url], requests, nodes)
+        return measure(args, name, nodes, requests)
 
 
 def vllm_counters(urls: list[str]) -> dict[str, float]:
@@ -337,16 +366,27 @@ def pool_bytes_read(urls: list[str]) -> int:
     return total
 
 
-def measure(args: argparse.Namespace, name: str, urls: list[str],
-            requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
-    """Run the workload against `urls` with a progress bar; summarize it with the pool traffic."""
+def node_requests(urls: list[str]) -> list[int]:
+    """Requests each node has finished so far (its /metrics)."""
+    from kvpool_harness.vllm_node import scrape
+
+    return [int(scrape(u, "kvpool:requests_finished_total") or scrape(u, "vllm:request_success_total"))
+            for u in urls]
+
+
+def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list[BenchRequest],
+            nodes: list[str] | None = None) -> tuple[dict, list[Result]]:
+    """Run the workload against `urls` (the nodes, or a router in front of `nodes`) with a
+    progress bar; summarize it with the pool traffic and each node's share of the requests."""
     from tqdm import tqdm
 
     vllm = getattr(args, "engine", "kvpool") == "vllm"
+    direct, urls = urls, nodes or urls
+    served = node_requests(urls)
     before = vllm_counters(urls) if vllm else pool_bytes_read(urls)
     bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
     try:
-        results, wall = run_workload(urls, requests, args.routing, args.concurrency, args.seed,
+        results, wall = run_workload(direct, requests, args.routing, args.concurrency, args.seed,
                                      on_done=lambda: bar.update(1),
                                      paced=args.workload == "trace" and args.time_scale > 0,
                                      api_key=args.api_key)
@@ -355,8 +395,13 @@ def measure(args: argparse.Namespace, name: str, urls: list[str],
     if vllm:
         after = vllm_counters(urls)
         delta = {k: int(after[k] - before[k]) for k in after}  # type: ignore[index]
-        return summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"])), results
-    return summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls)), results
+        summary = summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"]))
+    else:
+        summary = summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls))
+    per_node = [after - before for after, before in zip(node_requests(urls), served, strict=True)]
+    mean = sum(per_node) / len(per_node)
+    summary.update(requests_per_node=per_node, load_max_over_mean=max(per_node) / mean if mean else 0.0)
+    return summary, results
 
 
 def capacity_blocks(urls: list[str]) -> int:
@@ -372,14 +417,21 @@ def capacity_blocks(urls: list[str]) -> int:
     return total
 
 
+def reference(names: list[str]) -> str | None:
+    """The configuration the others are compared with: the first with the pool off."""
+    return next((n for n in names if n.endswith("pool-off")), None)
+
+
 def outputs_equal(results: dict[str, list[Result]]) -> dict[str, int]:
-    """For each configuration beside pool-off: how many requests generated the same tokens as
-    with pool-off (greedy: a pulled block must change nothing); empty unless pool-off ran."""
-    if "pool-off" not in results:
+    """For each configuration beside the reference (pool off): how many requests generated the
+    same tokens (greedy: a pulled block or another node must change nothing); empty unless a
+    pool-off configuration ran."""
+    ref = reference(list(results))
+    if ref is None:
         return {}
-    return {name: sum(1 for a, b in zip(res, results["pool-off"], strict=True)
+    return {name: sum(1 for a, b in zip(res, results[ref], strict=True)
                       if not a.error and not b.error and a.output_ids == b.output_ids)
-            for name, res in results.items() if name != "pool-off"}
+            for name, res in results.items() if name != ref}
 
 
 def median_summary(rounds: list[dict]) -> dict:
@@ -387,19 +439,22 @@ def median_summary(rounds: list[dict]) -> dict:
     out = dict(rounds[-1])
     for key, value in rounds[-1].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in rounds)
+            med = statistics.median(r[key] for r in rounds)
+            out[key] = round(med) if all(isinstance(r[key], int) for r in rounds) else med
     return out
 
 
 def print_rounds(per_round: list[dict[str, dict]]) -> None:
     """Each round's TPOT and TTFT p50, and their ratio to pool-off's in the same round."""
-    print("\nround  configuration      TPOT mean ms  TTFT p50 s  TPOT / off  TTFT p50 / off")
+    ref = reference(list(per_round[0]))
+    width = max(17, *(len(n) for n in per_round[0]))
+    print(f"\nround  {'configuration':<{width}} TPOT mean ms  TTFT p50 s  TPOT / ref  TTFT p50 / ref   (ref: {ref})")
     for i, summaries in enumerate(per_round, 1):
-        off = summaries.get("pool-off")
+        off = summaries.get(ref) if ref else None
         for name, s in summaries.items():
             ratios = (f"{s['tpot_mean_s'] / off['tpot_mean_s']:>10.3f}  {s['ttft_p50_s'] / off['ttft_p50_s']:>14.3f}"
-                      if off and name != "pool-off" else "")
-            print(f"{i:>5}  {name:<17} {1e3 * s['tpot_mean_s']:>12.1f} {s['ttft_p50_s']:>11.2f}  {ratios}")
+                      if off and name != ref else "")
+            print(f"{i:>5}  {name:<{width}} {1e3 * s['tpot_mean_s']:>12.1f} {s['ttft_p50_s']:>11.2f}  {ratios}")
 
 
 def print_table(summaries: dict[str, dict]) -> None:
@@ -421,17 +476,22 @@ def print_table(summaries: dict[str, dict]) -> None:
             ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
             ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),
             ("bytes transferred", lambda s: f"{s['bytes_transferred'] / 2**20:,.0f} MiB"),
+            ("requests per node", lambda s: " / ".join(str(n) for n in s.get("requests_per_node", ()))),
+            ("max / mean per node", lambda s: f"{s.get('load_max_over_mean', 0):.2f}"),
             ("wall time (s)", lambda s: f"{s['wall_s']:.1f}")]
     names = list(summaries)
-    print(f"\n{'':<26}" + "".join(f"{n:>22}" for n in names))
+    w = max(22, *(len(n) + 2 for n in names))
+    print(f"\n{'':<26}" + "".join(f"{n:>{w}}" for n in names))
     for label, fmt in rows:
-        print(f"{label:<26}" + "".join(f"{fmt(summaries[n]):>22}" for n in names))
-    off = summaries.get("pool-off")
+        print(f"{label:<26}" + "".join(f"{fmt(summaries[n]):>{w}}" for n in names))
+    ref = reference(names)
+    off = summaries.get(ref) if ref else None
+    print()
     for name, on in summaries.items():
-        if off is not None and name != "pool-off":
-            print(f"\nTTFT p50 {name} / pool-off: {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x, TPOT mean "
+        if off is not None and name != ref:
+            print(f"TTFT p50 {name} / {ref}: {on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x, TPOT mean "
                   f"{on['tpot_mean_s'] / off['tpot_mean_s']:.2f}x; hit rate {name} {on['hit_rate_of_oracle']:.0%} "
-                  f"of the oracle, pool-off {off['hit_rate_of_oracle']:.0%}")
+                  f"of the oracle, {ref} {off['hit_rate_of_oracle']:.0%}")
 
 
 def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: Path) -> list[Path]:
@@ -482,6 +542,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpool bench cross-node: error: --configs takes distinct values of {', '.join(CONFIGS)}, "
               f"got {args.configs!r}", file=sys.stderr)
         return 2
+    fronts = [f.strip() for f in args.fronts.split(",") if f.strip()]
+    try:
+        check_fronts(fronts)
+    except ValueError as err:
+        print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+        return 2
+    if args.urls:
+        fronts = ["client"]
     if args.repeat < 1:
         print(f"kvpool bench cross-node: error: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
@@ -496,6 +564,7 @@ def main(args: argparse.Namespace) -> int:
           + (f" ({replies} continue a conversation with the model's reply)" if replies else
              f", {sum(len(r.prompt) for r in requests):,} prompt tokens")
           + f", {args.nodes} {args.engine} nodes, routing {args.routing}, {args.concurrency} in flight"
+          + (f", fronts {', '.join(fronts)}" if fronts != ["client"] else "")
           + (f", {args.repeat} rounds of {', '.join(configs)}" if args.repeat > 1 else ""), flush=True)
     per_round: list[dict[str, dict]] = []
     results: dict[str, list[Result]] = {}   # the first round's
@@ -503,13 +572,14 @@ def main(args: argparse.Namespace) -> int:
     for _ in range(args.repeat):
         summaries: dict[str, dict] = {}
         round_results: dict[str, list[Result]] = {}
-        for c in configs:
-            name = f"pool-{c}"
-            try:
-                summaries[name], round_results[name] = run_config(args, c, requests)
-            except RuntimeError as err:
-                print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
-                return 1
+        for front in fronts:
+            for c in configs:
+                name = config_name(c, front)
+                try:
+                    summaries[name], round_results[name] = run_config(args, c, requests, front)
+                except RuntimeError as err:
+                    print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+                    return 1
         per_round.append(summaries)
         results = results or round_results
         for name, n in outputs_equal(round_results).items():
@@ -519,15 +589,16 @@ def main(args: argparse.Namespace) -> int:
         print_rounds(per_round)
         print(f"\nmedians of {args.repeat} rounds:")
     print_table(summaries)
+    ref = reference(list(summaries))
     for name, n in same.items():
-        print(f"outputs {name} == pool-off (greedy, token for token): {n} of {len(requests) * args.repeat} requests")
+        print(f"outputs {name} == {ref} (greedy, token for token): {n} of {len(requests) * args.repeat} requests")
     run_dir = Path(args.run_dir)
     plots = plot(summaries, results, run_dir)
     report = {"bench": "cross-node", "engine": args.engine, "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
               "concurrency": args.concurrency,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
               "configs": summaries, "rounds": per_round,
-              "outputs_equal": same.get("pool-on"), "outputs_equal_to_pool_off": same,
+              "outputs_equal": same.get("pool-on"), "outputs_equal_to_reference": same, "reference": ref,
               "requests": {k: [r.report() for r in v] for k, v in results.items()},
               "plots": [str(p) for p in plots]}
     write_report(args.out or str(run_dir / "report.json"), report)

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvpool_harness import cluster
     from metaserver import admin
     from metaserver import cli as metaserver_cli
+    from router import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="kvpool", description="Mooncake-style global KV-cache pool")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     admin.add_parser(sub)
     serve_cli.add_parsers(sub)
     cluster.add_parser(sub)
+    router_cli.add_parser(sub)
     _add_bench(sub)
     demo.add_parser(sub)
     metaserver_cli.add_log_level(parser)
@@ -74,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool_harness import cluster
 
         return cluster.main(args)
+    if args.cmd == "router":
+        from router import cli as router_cli
+
+        return router_cli.main(args)
     if args.cmd == "demo":
         from kvpool_bench import demo
 

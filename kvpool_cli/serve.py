@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 from kvpool.layout import parse_size
@@ -70,6 +72,9 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     for key, value in (("metaserver", args.metaserver), ("pool_size", args.pool_size), ("node_id", args.node_id)):
         if value:
             extra[key] = value
+    # The connector's default id, fixed here so that /kv_layout can name it (a router maps the
+    # index's node ids to URLs through it).
+    extra.setdefault("node_id", f"{socket.gethostname()}-{os.getpid()}")
     if "pool_size" in extra:
         parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from kvpool_harness.engine_node import EngineProcess, http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
+from kvpool_harness.router_node import RouterProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
 
 STATE = "cluster.json"
@@ -41,6 +42,7 @@ class ClusterSpec:
     pool_size: str = "1GiB"
     engine_args: tuple[str, ...] = ()
     kv_transfer_config: dict | None = None
+    router: str = ""                 # a `kvpool router` in front, with this policy ("" = none)
     ready_timeout_s: float = 300.0
     # Nodes share this machine's cores: OpenMP threads that spin after their work would
     # steal the CPU from the node that computes next. Real nodes have their own machines.
@@ -56,6 +58,7 @@ class LocalCluster:
         self.etcd: EtcdProcess | None = None
         self.metaserver: MetaserverProcess | None = None
         self.nodes: list[EngineProcess | VllmProcess] = []
+        self.router: RouterProcess | None = None
 
     def up(self) -> LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +73,10 @@ class LocalCluster:
                 n.start()
             for n in self.nodes:
                 n.wait_ready(self.spec.ready_timeout_s)
+            if self.spec.router:
+                self.router = RouterProcess(self.run_dir / "router.log", [n.url for n in self.nodes],
+                                            self.spec.router, addr, extra_args=("--model", self.spec.model))
+                self.router.start(self.spec.ready_timeout_s)
         except BaseException:
             self.down()
             raise
@@ -86,6 +93,8 @@ class LocalCluster:
                              env=self.spec.node_env)
 
     def down(self) -> None:
+        if self.router is not None:
+            self.router.stop()
         for n in self.nodes:
             n.stop()
         if self.metaserver is not None:
@@ -108,6 +117,9 @@ class LocalCluster:
             procs.append({"name": "metaserver", "pid": self.metaserver.pid, "address": self.metaserver.address})
         procs += [{"name": n.node_id, "pid": n.pid, "address": n.url, "log": str(n.log_path),
                    "group": isinstance(n, VllmProcess)} for n in self.nodes]
+        if self.router is not None:
+            procs.append({"name": "router", "pid": self.router.pid, "address": self.router.url,
+                          "log": str(self.router.log_path), "group": False})
         (self.run_dir / STATE).write_text(json.dumps({"connector": self.spec.connector, "engine": self.spec.engine, "model": self.spec.model,
                                                       "processes": procs}, indent=2))
 
@@ -127,6 +139,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--no-connector", action="store_true", help="local prefix caches only (no pool)")
     up.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
     up.add_argument("--timeout", type=float, default=300.0, help="ready deadline in seconds")
+    up.add_argument("--router", nargs="?", const="prefix", default="",
+                    choices=["round-robin", "least-loaded", "prefix"],
+                    help="also start `kvpool router` in front of the nodes (policy; default prefix)")
     for name in ("status", "down"):
         c = cmds.add_parser(name)
         c.add_argument("--run-dir", default="runs/cluster")
@@ -198,7 +213,8 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
-                       pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout)
+                       pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
+                       router=args.router)
     try:
         cluster = LocalCluster(run_dir, spec).up()
     except (RuntimeError, ValueError) as err:
@@ -208,5 +224,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{n.node_id}: {n.url} (pid {n.pid}, log {n.log_path})")
     if cluster.metaserver is not None:
         print(f"metaserver: {cluster.metaserver.address}")
+    if cluster.router is not None:
+        print(f"router ({args.router}): {cluster.router.url} (pid {cluster.router.pid}, log {cluster.router.log_path})")
     print(f"stop with: kvpool cluster down --run-dir {run_dir}")
     return 0

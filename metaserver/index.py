@@ -192,6 +192,35 @@ class BlockIndex:
                 prev = chosen
         return QueryResult(tuple(locations), nodes)
 
+    def prefix_by_node(self, namespace: Namespace, chain: Sequence[BlockHash]) -> tuple[int, dict[NodeId, int]]:
+        """How much of `chain` the pool holds: the longest present prefix (blocks, any holders)
+        and, per node, the blocks it holds itself from block 0 on (what a request routed to it
+        would hit without a pull). Suspect nodes count as holding nothing. No side effects."""
+        ns_map = self._blocks.get(namespace)
+        if ns_map is None:
+            return 0, {}
+        suspect = self.suspects() if self._suspect else ()
+        runs: dict[NodeId, int] = {}
+        alive: set[NodeId] | None = None  # nodes holding every block so far
+        matched = 0
+        for h in chain:
+            holders = ns_map.get(h)
+            if holders is None:
+                break
+            keys = holders.keys() - suspect if suspect else holders.keys()
+            if not keys:
+                break
+            if alive is None:
+                alive = set(keys)
+            else:
+                for gone in alive - keys:
+                    runs[gone] = matched
+                alive &= keys
+            matched += 1
+        for n in alive or ():
+            runs[n] = matched
+        return matched, {n: k for n, k in runs.items() if k}
+
     def namespace_state(self, namespace: Namespace) -> tuple[list[NodeRecord], list[BlockLocation],
                                                             dict[NodeId, float]]:
         """The namespace's nodes, every copy of its blocks, and its suspect nodes (seconds left):

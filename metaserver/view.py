@@ -77,6 +77,14 @@ class IndexView:
         with self._lock:
             return self._index.query(self.namespace, cast(Sequence[BlockHash], chain), self._requester)
 
+    def prefix_by_node(self, chain: Sequence[bytes]) -> tuple[int, dict[NodeId, int]] | None:
+        """`BlockIndex.prefix_by_node` on the view (a router's question: who holds how much of
+        this chain); None while the view is not current."""
+        if not self.current():
+            return None
+        with self._lock:
+            return self._index.prefix_by_node(self.namespace, cast(Sequence[BlockHash], chain))
+
     def wait_current(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.current():

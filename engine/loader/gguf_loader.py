@@ -44,7 +44,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path: Path) -> LoadedModel:
+def load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
     try:
         import gguf
     except ImportError:
@@ -59,7 +59,7 @@ def load_gguf(path: Path) -> LoadedModel:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     weights: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in reader.tensors if with_weights else ():
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         name = t.name
         if name == "token_embd.weight":
@@ -92,7 +92,7 @@ def load_gguf(path: Path) -> LoadedModel:
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
         rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=_field(reader, p + "context_length", 2048),
-        tie_embeddings="lm_head.weight" not in weights,
+        tie_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", 1),
         eos_token_ids=(eos,),
     )

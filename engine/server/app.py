@@ -139,6 +139,17 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": eng.max_model_len}]})
 
 
+async def kv_layout(request: web.Request) -> web.Response:
+    """What a router needs to hash prompts as this node does: the model, the layout
+    fingerprint (the hash chain's namespace), dtype, block size, and this node's id in the
+    pool ("" without a connector)."""
+    eng: LLMEngine = request.app[ENGINE].engine
+    kvt = eng.config.kv_transfer_config
+    return web.json_response({"model": eng.model_name, "fingerprint": eng.fingerprint, "dtype": eng.config.dtype,
+                              "block_size": eng.config.block_size,
+                              "node_id": str(kvt.extra("node_id", "")) if kvt else ""})
+
+
 async def health(request: web.Request) -> web.Response:
     dead = request.app[ENGINE].dead
     return web.json_response({"status": "error", "message": dead} if dead else {"status": "ok"},
@@ -198,6 +209,7 @@ def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str 
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/kv_layout", kv_layout)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
 

@@ -29,6 +29,7 @@ from tests.helm.chart import (
     container,
     eq_flags,
     expand,
+    mounted_secret_files,
     flag,
     name,
     pod_spec,
@@ -433,3 +434,51 @@ def test_helm_test_pods_check_metaserver_and_engine() -> None:
     compile(script, "test-engine", "exec")
     for pod in tests:
         assert pod["spec"]["restartPolicy"] == "Never"
+
+
+# --- router -> engine pods, metaserver ----------------------------------------------------------
+
+@pytest.mark.parametrize("files", [("router-values.yaml",), ("router-values.yaml", "security-values.yaml")],
+                         ids=["router", "router-security"])
+def test_router_reaches_every_engine_pod_and_the_index(files: tuple[str, ...]) -> None:
+    """The router's command line parses with the real CLI; --nodes names every engine pod by its
+    stable DNS name on the engines' port; --metaserver is the metaserver Service; its Service
+    selects its pods on the port it listens on; probes hit /health; with tokens on it mounts and
+    passes the node token (index queries take either) and never the admin token."""
+    r = render(files)
+    values = _values(files)
+    dep = r.find("Deployment", name("router"))
+    assert dep["spec"]["replicas"] == values["router"]["replicas"]
+    c = container(dep, "router")
+    args = build_parser().parse_args(c["args"])
+    assert args.cmd == "router" and args.policy == values["router"]["policy"]
+    assert args.load_weight == values["router"]["loadWeight"] and args.model == values["engine"]["model"]
+    sts = r.find("StatefulSet", name("engine"))
+    headless = r.find("Service", f"{name('engine')}-headless")
+    engine_port = values["engine"]["port"]
+    want = [f"http://{name('engine')}-{i}.{service_host(headless)}:{engine_port}"
+            for i in range(sts["spec"]["replicas"])]
+    assert args.nodes.split(",") == want and len(want) == 3
+    ms = r.find("Service", name("metaserver"))
+    assert args.metaserver == f"{service_host(ms)}:{ms['spec']['ports'][0]['port']}"
+    svc = r.find("Service", name("router"))
+    assert selects(svc["spec"]["selector"], _pod_labels(dep))
+    (port,) = svc["spec"]["ports"]
+    assert _named_port(c, port["targetPort"]) == int(args.listen.rsplit(":", 1)[1]) == port["port"]
+    for probe in ("startupProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    test_pod = r.find("Pod", name("test-router"))
+    assert f"{service_host(svc)}:{port['port']}/health" in container(test_pod, "router-health")["command"][-1]
+    tokens = values["security"]["tokens"]["enabled"]
+    assert bool(args.metaserver_token_file) == tokens
+    if tokens:
+        mounted = mounted_secret_files(dep, "router")
+        assert args.metaserver_token_file in mounted
+        assert not any("admin" in path for path in mounted)
+    if values["security"]["tls"]["enabled"]:
+        assert args.metaserver_tls_ca
+
+
+def test_router_is_off_by_default() -> None:
+    r = render()
+    assert not r.has("Deployment", name("router")) and not r.has("Service", name("router"))

@@ -97,3 +97,19 @@ def test_invalidate_by_hash_namespace_all() -> None:
     assert idx.stats().num_copies == 1
     assert len(idx.remove_all()) == 1
     assert idx.stats().num_copies == 0 and idx.stats().num_nodes == 3
+
+
+def test_prefix_by_node_counts_each_holders_own_run() -> None:
+    """A router's question: the pool's longest prefix, and per node the blocks it holds from 0."""
+    idx = BlockIndex()
+    for n in "abc":
+        idx.upsert_node(node(n))
+    publish(idx, "a", [0, 1, 2, 3])
+    publish(idx, "b", [0, 1, 4, 5])      # b's own run ends at block 2; a, then b, carry the chain to 6
+    publish(idx, "c", [1, 2])            # c holds no block 0: no run of its own
+    chain = [h(i) for i in range(8)]
+    assert idx.prefix_by_node(NS, chain) == (6, {NodeId("a"): 4, NodeId("b"): 2})
+    assert idx.prefix_by_node(NS, [h(9)] + chain) == (0, {})
+    assert idx.prefix_by_node(Namespace("other"), chain) == (0, {})
+    assert idx.mark_suspect(NodeId("a"), 30)  # not offered: block 3 is then missing
+    assert idx.prefix_by_node(NS, chain) == (3, {NodeId("b"): 2})

@@ -55,11 +55,12 @@ paths:
       {{- end }}
 {{- end -}}
 
-{{/* The secret volumes of a pod: (list $ ROLE), ROLE metaserver | engine | admin.
+{{/* The secret volumes of a pod: (list $ ROLE), ROLE metaserver | engine | router | admin.
 metaserver: its certificate and key, the CA (its probes verify it), the client CA and a
 client certificate (mutual: --tls-client-ca, and the probes present it), both tokens.
 engine: the CA, the client certificate, the node token (and the admin token for the preStop
-drain), the API key. admin (helm test): the CA, the client certificate, the admin token. */}}
+drain), the API key. router: the CA, the client certificate, the node token (its index
+queries take either token). admin (helm test): the CA, the client certificate, the admin token. */}}
 {{- define "kvpool.securityVolumes" -}}
 {{- $ := index . 0 -}}
 {{- $role := index . 1 -}}
@@ -79,7 +80,7 @@ drain), the API key. admin (helm test): the CA, the client certificate, the admi
 {{- end }}
 {{- if $sec.tokens }}
 {{- $items := list }}
-{{- if or (ne $role "engine") $sec.drainOnStop }}
+{{- if or (eq $role "metaserver") (eq $role "admin") (and (eq $role "engine") $sec.drainOnStop) }}
 {{- $items = append $items (list $sec.adminTokenKey "admin-token") }}
 {{- end }}
 {{- if ne $role "admin" }}

@@ -1,0 +1,188 @@
+"""The router's HTTP side: an OpenAI-compatible proxy in front of the engine nodes.
+
+POST /v1/completions and /v1/chat/completions go to the node the policy picks, with the
+client's body and Authorization header as they came; the node's answer (a JSON body, or a
+server-sent-event stream) is passed back as it arrives, chunk by chunk. A node that refuses
+the connection, drops it, or answers 5xx before its first byte is taken out (503 overloaded:
+only skipped) and the request goes to the next choice among the nodes not tried yet; once a
+byte has reached the client the request stays where it is (a stream cannot be replayed), so
+a node dying mid-stream ends that stream with an error event. GET /v1/models is forwarded
+to a node that is up; /health is 200 while one node is up; /metrics is Prometheus text.
+
+A body that is not JSON gets the router's own 400 (OpenAI error body) and reaches no node;
+anything else a node refuses, the node answers (its 400 passes through unchanged).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from router.backends import Backend, Backends
+from router.chain import Chain, PromptHasher
+from router.policy import Policy
+
+log = logging.getLogger(__name__)
+ROUTER = web.AppKey("router", "Router")
+# Hop-by-hop and length headers are the proxy's own business on each side.
+_SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                             status=status)
+
+
+class Router:
+    def __init__(self, backends: Backends, policy: Policy, hasher: PromptHasher | None) -> None:
+        self.backends = backends
+        self.policy = policy
+        self.hasher = hasher
+        self.retries = 0        # requests sent again to another node (counter)
+        self.errors = 0         # requests that no node could take (counter)
+        self.requests = 0
+
+    def _chain(self, body: bytes, chat: bool) -> Chain | None:
+        return self.hasher.chain(body, chat) if self.hasher is not None and self.policy.name == "prefix" else None
+
+    async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _error(400, f"invalid JSON body: {err}")
+        self.requests += 1
+        chain = self._chain(body, chat)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        tried: set[str] = set()
+        last = "no node is up"
+        while True:
+            nodes = [n for n in self.backends.up() if n.url not in tried]
+            if not nodes:
+                self.errors += 1
+                return _error(503, f"no node could take the request ({last})", "server_error")
+            choice = self.policy.choose(nodes, chain)
+            node = choice.node
+            if tried:
+                self.retries += 1
+            tried.add(node.url)
+            node.in_flight += 1
+            try:
+                resp = await self._forward(request, node, body, headers, chain, choice.predicted_hit_tokens)
+            except _NotAccepted as err:
+                last = f"{node.url}: {err}"
+                continue
+            finally:
+                node.in_flight -= 1
+            return resp
+
+    async def _forward(self, request: web.Request, node: Backend, body: bytes, headers: dict[str, str],
+                       chain: Chain | None, predicted: int) -> web.StreamResponse:
+        """Send to `node` and pass its answer on; _NotAccepted if nothing was sent back yet
+        and another node should try."""
+        try:
+            upstream = await self.backends.session.post(f"{node.url}{request.path}", data=body, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            self.backends.mark_down(node, str(err) or type(err).__name__)
+            raise _NotAccepted(str(err) or type(err).__name__) from None
+        async with upstream:
+            if upstream.status >= 500:
+                why = f"HTTP {upstream.status}"
+                if upstream.status == 503:
+                    node.failures += 1  # overloaded or failing: skip it for this request only
+                else:
+                    self.backends.mark_down(node, why)
+                raise _NotAccepted(why)
+            resp = web.StreamResponse(status=upstream.status,
+                                      headers={**{k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP},
+                                               "x-kvpool-node": node.url})
+            started = False
+            try:
+                async for data in upstream.content.iter_any():
+                    if not started:
+                        await resp.prepare(request)
+                        started = True
+                        node.requests += 1
+                        node.predicted_hit_tokens += predicted
+                        self.policy.routed(node, chain)
+                    await resp.write(data)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                if not started:
+                    self.backends.mark_down(node, str(err) or type(err).__name__)
+                    raise _NotAccepted(str(err) or type(err).__name__) from None
+                log.warning("node %s failed mid-answer: %s", node.url, err)
+                self.backends.mark_down(node, f"failed mid-answer: {err}")
+                event = {"error": {"message": f"the node serving this request failed: {err}", "type": "server_error"}}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            if not started:  # an empty body
+                await resp.prepare(request)
+                node.requests += 1
+            await resp.write_eof()
+            return resp
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, chat=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        for node in self.backends.up():
+            try:
+                async with self.backends.session.get(f"{node.url}/v1/models",
+                                                     headers={k: v for k, v in request.headers.items()
+                                                              if k.lower() == "authorization"},
+                                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                self.backends.mark_down(node, str(err) or type(err).__name__)
+        return _error(503, "no node is up", "server_error")
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = len(self.backends.up())
+        return web.json_response({"status": "ok" if up else "error", "nodes_up": up,
+                                  "nodes": len(self.backends.nodes)}, status=200 if up else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        p = "kvpool_router:"
+        lines = [f"# TYPE {p}requests_total counter", f"{p}requests_total {self.requests}",
+                 f"# TYPE {p}retries_total counter", f"{p}retries_total {self.retries}",
+                 f"# TYPE {p}errors_total counter", f"{p}errors_total {self.errors}"]
+        per_node = (("node_requests_total", "counter", lambda b: b.requests),
+                    ("node_predicted_hit_tokens_total", "counter", lambda b: b.predicted_hit_tokens),
+                    ("node_failures_total", "counter", lambda b: b.failures),
+                    ("node_up", "gauge", lambda b: int(b.up)),
+                    ("node_in_flight", "gauge", lambda b: b.in_flight),
+                    ("node_queued", "gauge", lambda b: b.queued))
+        for name, kind, get in per_node:
+            lines.append(f"# TYPE {p}{name} {kind}")
+            lines += [f'{p}{name}{{node="{b.url}",policy="{self.policy.name}"}} {get(b)}' for b in self.backends.nodes]
+        view_answers = getattr(self.policy, "view_answers", None)
+        if view_answers is not None:
+            lines += [f"# TYPE {p}index_answers_total counter", f"{p}index_answers_total {view_answers}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+class _NotAccepted(Exception):
+    """The node did not take the request (nothing reached the client): try another."""
+
+
+def build_app(router: Router, on_cleanup: Callable[[], Awaitable[None]] | None = None) -> web.Application:
+    app = web.Application(client_max_size=16 << 20)
+    app[ROUTER] = router
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/metrics", router.metrics)
+
+    async def cleanup(_: web.Application) -> None:
+        if on_cleanup is not None:
+            await on_cleanup()
+
+    app.on_cleanup.append(cleanup)
+    return app

@@ -1,0 +1,99 @@
+"""`kvpool router`: the command line of the cache-aware front door (`router.app`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from router.policy import POLICIES
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("router", help="OpenAI-compatible front door routing to engine nodes (prefix-aware)")
+    p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve on")
+    p.add_argument("--nodes", required=True, help="the engine nodes' URLs, comma-separated (http://HOST:PORT,...)")
+    p.add_argument("--policy", choices=POLICIES, default="prefix")
+    p.add_argument("--metaserver", default="",
+                   help="HOST:PORT[,..] of the metadata service: policy prefix then reads the global index (a "
+                        "node-local view of it) for what each node's pool holds")
+    p.add_argument("--metaserver-token-file", default="", help="the metaserver's query token, if it checks tokens")
+    p.add_argument("--metaserver-tls-ca", default="", help="CA bundle when the metaserver serves TLS")
+    p.add_argument("--metaserver-tls-cert", default="", help="client certificate (mutual TLS)")
+    p.add_argument("--metaserver-tls-key", default="", help="client key (mutual TLS)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="the nodes' model (its tokenizer and chat template hash prompts as the nodes do)")
+    p.add_argument("--load-weight", type=float, default=256.0,
+                   help="prefix: prompt tokens one queued request on a node is worth (higher: balance load more)")
+    p.add_argument("--pull-value", type=float, default=0.5,
+                   help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1)")
+    p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes of the nodes")
+    p.add_argument("--startup-timeout", type=float, default=120.0,
+                   help="prefix: wait this long for every node's /kv_layout at start")
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--listen takes HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
+    from metaserver.client import MetaClient
+    from metaserver.credentials import ClientSecurity
+    from metaserver.view import IndexView
+    from router.app import Router, build_app
+    from router.backends import Backends, LayoutError
+    from router.chain import PromptHasher
+    from router.policy import make_policy
+
+    backends = Backends([u.strip() for u in args.nodes.split(",") if u.strip()], args.probe_interval)
+    await backends.start()
+    hasher, view = None, None
+    try:
+        if args.policy == "prefix":
+            layouts = await backends.layouts(args.startup_timeout)
+            hasher = PromptHasher(args.model, served_name=layouts[0]["model"])
+            want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]))
+            for node, layout in zip(backends.nodes, layouts, strict=True):
+                if layout["fingerprint"] != want:
+                    raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
+                                      f"prompts for {want!r} (--model {args.model}): it would never predict a hit")
+                node.node_id = layout.get("node_id", "")
+            await backends.cache_sizes()
+            if args.metaserver:
+                security = ClientSecurity.from_files(tls_ca_file=args.metaserver_tls_ca,
+                                                     tls_cert_file=args.metaserver_tls_cert,
+                                                     tls_key_file=args.metaserver_tls_key,
+                                                     token_file=args.metaserver_token_file)
+                view = IndexView(MetaClient(args.metaserver, security=security), want)
+        policy = make_policy(args.policy, hasher.block_size if hasher else 0, view, args.load_weight, args.pull_value)
+    except BaseException:
+        await backends.close()
+        if view is not None:
+            view.close()
+        raise
+
+    async def cleanup() -> None:
+        await backends.close()
+        if view is not None:
+            view.close()
+
+    return build_app(Router(backends, policy, hasher), cleanup)
+
+
+def main(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from engine.loader import ModelLoadError
+    from router.backends import LayoutError
+
+    try:
+        host, port = _listen(args.listen)
+        if args.load_weight < 0 or not 0 <= args.pull_value <= 1:
+            raise ValueError(f"need --load-weight >= 0 and 0 <= --pull-value <= 1, got {args.load_weight}, "
+                             f"{args.pull_value}")
+        web.run_app(_build(args), host=host, port=port, print=None, handle_signals=True)
+    except (ValueError, LayoutError, ModelLoadError, OSError) as err:
+        print(f"kvpool router: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,154 @@
+"""Routing policies: which node serves a request.
+
+- `round-robin`: the nodes in turn.
+- `least-loaded`: the node with the fewest requests (running + waiting); ties in turn.
+- `prefix`: the node where the request's prompt costs least to prefill, against its load.
+  For each node it predicts the prompt tokens that would not be computed there: blocks the
+  node holds itself (a local hit) count fully; blocks the pool holds elsewhere count
+  `pull_value` (a pull is cheaper than a recompute, dearer than a local hit). It scores
+  `predicted tokens - load_weight * load` and takes the best (ties: least loaded, then in turn).
+  What a node holds comes from two sources, the larger wins: the global index (a node-local
+  view of it, `metaserver.view`, when the router has `--metaserver`: exact for the pools),
+  and the router's own record of the chains it sent to each node, an LRU of the node's KV
+  cache size (what the node's local prefix cache holds when the pool is off).
+
+Not thread-safe: called on the router's event loop.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from metaserver.view import IndexView
+from router.backends import Backend
+from router.chain import Chain
+
+POLICIES = ("round-robin", "least-loaded", "prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    node: Backend
+    predicted_hit_tokens: int = 0
+
+
+class Policy:
+    name = ""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
+        """A node among `nodes` (up, not yet tried for this request; never empty)."""
+        raise NotImplementedError
+
+    def routed(self, node: Backend, chain: Chain | None) -> None:
+        """`node` accepted the request (its first byte arrived)."""
+
+    def _in_turn(self, nodes: Sequence[Backend]) -> Backend:
+        return nodes[next(self._turn) % len(nodes)]
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
+        return Choice(self._in_turn(nodes))
+
+
+class LeastLoaded(Policy):
+    name = "least-loaded"
+
+    def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
+        least = min(n.load for n in nodes)
+        return Choice(self._in_turn([n for n in nodes if n.load == least]))
+
+
+class RouteTable:
+    """Per node, the block hashes the router sent it most recently, up to its cache's size:
+    an LRU model of each node's local prefix cache."""
+
+    def __init__(self, default_capacity: int = 65536) -> None:
+        self.default_capacity = default_capacity
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    def record(self, node: Backend, hashes: Sequence[bytes]) -> None:
+        held = self._held.setdefault(node.url, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        cap = node.cache_blocks or self.default_capacity
+        while len(held) > cap:
+            held.popitem(last=False)
+
+    def prefix(self, node: Backend, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of `hashes` recorded for `node`."""
+        held = self._held.get(node.url)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+
+class Prefix(Policy):
+    name = "prefix"
+
+    def __init__(self, block_size: int, view: IndexView | None = None, load_weight: float = 256.0,
+                 pull_value: float = 0.5) -> None:
+        """`load_weight`: prompt tokens one queued request is worth; `pull_value`: the share of a
+        recompute a pulled token saves (0..1)."""
+        super().__init__()
+        if load_weight < 0 or not 0 <= pull_value <= 1:
+            raise ValueError(f"need load_weight >= 0 and 0 <= pull_value <= 1, got {load_weight}, {pull_value}")
+        self.block_size = block_size
+        self.view = view
+        self.load_weight = load_weight
+        self.pull_value = pull_value
+        self.table = RouteTable()
+        self.view_answers = 0   # choices made with the index's answer (counter)
+
+    def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
+        if chain is None or not chain.hashes:
+            least = min(n.load for n in nodes)
+            return Choice(self._in_turn([n for n in nodes if n.load == least]))
+        # The last prompt token is always computed: at most (num_tokens - 1) // bs blocks hit.
+        hashes = chain.hashes[:(chain.num_tokens - 1) // self.block_size]
+        pool, by_node = 0, {}
+        got = self.view.prefix_by_node(hashes) if self.view is not None else None
+        if got is not None:
+            self.view_answers += 1
+            pool, by_node = got
+        best: list[tuple[float, int, Backend]] = []
+        for n in nodes:
+            local = max(by_node.get(n.node_id, 0) if n.node_id else 0, self.table.prefix(n, hashes))
+            pulled = max(0, pool - local)
+            hit_tokens = (local + pulled) * self.block_size
+            score = (local + self.pull_value * pulled) * self.block_size - self.load_weight * n.load
+            best.append((score, hit_tokens, n))
+        top = max(s for s, _, _ in best)
+        tied = [(h, n) for s, h, n in best if s == top]
+        least = min(n.load for _, n in tied)
+        tied = [(h, n) for h, n in tied if n.load == least]
+        hit, node = tied[next(self._turn) % len(tied)]
+        return Choice(node, hit)
+
+    def routed(self, node: Backend, chain: Chain | None) -> None:
+        if chain is not None:
+            self.table.record(node, chain.hashes)
+
+
+def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 256.0,
+                pull_value: float = 0.5) -> Policy:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "prefix":
+        return Prefix(block_size, view, load_weight, pull_value)
+    raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")

@@ -1,0 +1,99 @@
+"""Routing policies on their own: scores, ties, the route table (no network; the index view is
+a stand-in object answering `prefix_by_node`, which tests/metaserver covers for real)."""
+from __future__ import annotations
+
+import pytest
+
+from router.backends import Backend
+from router.chain import Chain
+from router.policy import LeastLoaded, Prefix, RoundRobin, RouteTable, make_policy
+
+BS = 16
+
+
+def chain(n_blocks: int, base: int = 0, extra_tokens: int = 5) -> Chain:
+    return Chain(tuple(i.to_bytes(32, "big") for i in range(base, base + n_blocks)), n_blocks * BS + extra_tokens)
+
+
+class View:
+    """Answers as IndexView.prefix_by_node would for a fixed index."""
+
+    def __init__(self, pool: int, by_node: dict[str, int]) -> None:
+        self.answer = (pool, by_node)
+
+    def prefix_by_node(self, hashes):  # noqa: ANN001, ANN201
+        return (min(self.answer[0], len(hashes)), {k: min(v, len(hashes)) for k, v in self.answer[1].items()})
+
+
+def nodes(*loads: int) -> list[Backend]:
+    return [Backend(f"http://n{i}", node_id=f"n{i}", in_flight=load) for i, load in enumerate(loads)]
+
+
+def test_round_robin_and_least_loaded() -> None:
+    ns = nodes(0, 0, 0)
+    rr = RoundRobin()
+    assert [rr.choose(ns, None).node.url for _ in range(4)] == ["http://n0", "http://n1", "http://n2", "http://n0"]
+    ns = nodes(3, 1, 1)
+    ll = LeastLoaded()
+    assert {ll.choose(ns, None).node.url for _ in range(4)} == {"http://n1", "http://n2"}
+    ns[1].external = 5  # requests that did not come through this router count too
+    assert ll.choose(ns, None).node.url == "http://n2"
+
+
+def test_prefix_goes_to_the_holder_when_loads_are_close() -> None:
+    ns = nodes(1, 0)
+    p = Prefix(BS, View(pool=10, by_node={"n0": 10}), load_weight=16, pull_value=0.5)
+    c = p.choose(ns, chain(12))
+    # n0: 10 local blocks, load 1 -> 160 - 16; n1: 10 pulled at half value, load 0 -> 80
+    assert c.node.url == "http://n0" and c.predicted_hit_tokens == 160
+
+
+def test_prefix_trades_hits_against_load() -> None:
+    ns = nodes(6, 0)
+    p = Prefix(BS, View(pool=10, by_node={"n0": 10}), load_weight=16, pull_value=0.5)
+    # n0: 160 - 96 = 64; n1: 80 -> the idle node, pulling the prefix
+    c = p.choose(ns, chain(12))
+    assert c.node.url == "http://n1" and c.predicted_hit_tokens == 160
+    p.pull_value = 0.0  # pool off: the prefix is only where it was computed
+    assert p.choose(ns, chain(12)).node.url == "http://n0"  # 64 > 0
+    p.load_weight = 100.0
+    assert p.choose(ns, chain(12)).node.url == "http://n1"  # 160 - 600 < 0
+
+
+def test_prefix_without_a_hit_balances_and_records_routes() -> None:
+    ns = nodes(0, 0)
+    p = make_policy("prefix", BS, None, load_weight=16, pull_value=0.5)
+    first = p.choose(ns, chain(8, base=100))
+    assert first.predicted_hit_tokens == 0
+    p.routed(first.node, chain(8, base=100))
+    # The router's own record: the same conversation, longer, goes back to where it went.
+    for _ in range(3):
+        again = p.choose(ns, chain(12, base=100))
+        assert again.node is first.node and again.predicted_hit_tokens == 8 * BS
+    # Nothing in common: the tie is broken in turn, so both nodes get some.
+    assert {p.choose(ns, chain(8, base=1000 + 10 * i)).node.url for i in range(4)} == {"http://n0", "http://n1"}
+
+
+def test_prefix_never_counts_the_last_token_block() -> None:
+    ns = nodes(0, 0)
+    p = Prefix(BS, View(pool=4, by_node={"n1": 4}), load_weight=0, pull_value=0)
+    exact = Chain(chain(4).hashes, 4 * BS)  # 64 tokens: the 4th block holds the last token
+    assert p.choose(ns, exact).predicted_hit_tokens == 3 * BS
+
+
+def test_route_table_is_an_lru_of_the_node_cache_size() -> None:
+    t = RouteTable()
+    n = Backend("http://n0", cache_blocks=4)
+    hs = [i.to_bytes(32, "big") for i in range(6)]
+    t.record(n, hs[:3])
+    assert t.prefix(n, hs) == 3
+    t.record(n, hs[3:6])  # 6 blocks into a 4-block cache: 0 and 1 are gone
+    assert t.prefix(n, hs) == 0 and t.prefix(n, hs[2:]) == 4
+    assert t.prefix(Backend("http://other"), hs) == 0
+
+
+def test_bad_policy_settings() -> None:
+    with pytest.raises(ValueError, match="--policy must be one of round-robin, least-loaded, prefix"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="pull_value"):
+        Prefix(BS, pull_value=1.5)
