@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router.backends import Backend, Backends
 from router.chain import Chain, PromptHasher
-from router.policy import Policy
+from router.policy import Choice, Policy
 
 log = logging.getLogger(__name__)
 ROUTER = web.AppKey("router", "Router")
@@ -71,19 +71,26 @@ class Router:
                 self.retries += 1
             tried.add(node.url)
             node.in_flight += 1
+            node.prefilling += choice.compute_tokens
+            progress = _Progress()
             try:
-                resp = await self._forward(request, node, body, headers, chain, choice.predicted_hit_tokens)
+                resp = await self._forward(request, node, body, headers, chain, choice, progress)
             except _NotAccepted as err:
                 last = f"{node.url}: {err}"
                 continue
             finally:
                 node.in_flight -= 1
+                if progress.started:
+                    node.decoding -= 1
+                else:
+                    node.prefilling -= choice.compute_tokens
             return resp
 
     async def _forward(self, request: web.Request, node: Backend, body: bytes, headers: dict[str, str],
-                       chain: Chain | None, predicted: int) -> web.StreamResponse:
+                       chain: Chain | None, choice: Choice, progress: _Progress) -> web.StreamResponse:
         """Send to `node` and pass its answer on; _NotAccepted if nothing was sent back yet
-        and another node should try."""
+        and another node should try. The first byte back moves the request from the node's
+        prefilling to its decoding count (`progress.started`)."""
         try:
             upstream = await self.backends.session.post(f"{node.url}{request.path}", data=body, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
@@ -105,9 +112,11 @@ class Router:
                 async for data in upstream.content.iter_any():
                     if not started:
                         await resp.prepare(request)
-                        started = True
+                        started = progress.started = True
+                        node.prefilling -= choice.compute_tokens
+                        node.decoding += 1
                         node.requests += 1
-                        node.predicted_hit_tokens += predicted
+                        node.predicted_hit_tokens += choice.predicted_hit_tokens
                         self.policy.routed(node, chain)
                     await resp.write(data)
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
@@ -165,6 +174,10 @@ class Router:
         if view_answers is not None:
             lines += [f"# TYPE {p}index_answers_total counter", f"{p}index_answers_total {view_answers}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+class _Progress:
+    started = False   # the node's first byte reached the client
 
 
 class _NotAccepted(Exception):

@@ -36,6 +36,8 @@ class Backend:
     node_id: str = ""          # its id in the pool's index ("" unknown: pool off, or not a kvpool node)
     up: bool = True
     in_flight: int = 0         # this router's requests to it, not finished
+    prefilling: int = 0        # of those, the predicted compute tokens of the ones with no byte back yet
+    decoding: int = 0          # of those, the ones whose answer has started (prefill done)
     queued: int = 0            # running + waiting, from its /metrics at the last probe
     external: int = 0          # of those, not this router's (queued - in_flight at that probe)
     cache_blocks: int = 0      # its KV cache's blocks (its /stats; 0 unknown)

@@ -21,10 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--metaserver-tls-key", default="", help="client key (mutual TLS)")
     p.add_argument("--model", default="smollm2-135m",
                    help="the nodes' model (its tokenizer and chat template hash prompts as the nodes do)")
-    p.add_argument("--load-weight", type=float, default=256.0,
-                   help="prefix: prompt tokens one queued request on a node is worth (higher: balance load more)")
-    p.add_argument("--pull-value", type=float, default=0.5,
-                   help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1)")
+    p.add_argument("--load-weight", type=float, default=32.0,
+                   help="prefix: prefill tokens one generating request on a node is worth (higher: balance the "
+                        "number of requests more)")
+    p.add_argument("--pull-value", type=float, default=0.9,
+                   help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1; "
+                        "on loopback TCP a pull costs a few %% of a recompute)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes of the nodes")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="prefix: wait this long for every node's /kv_layout at start")

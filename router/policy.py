@@ -2,11 +2,13 @@
 
 - `round-robin`: the nodes in turn.
 - `least-loaded`: the node with the fewest requests (running + waiting); ties in turn.
-- `prefix`: the node where the request's prompt costs least to prefill, against its load.
-  For each node it predicts the prompt tokens that would not be computed there: blocks the
-  node holds itself (a local hit) count fully; blocks the pool holds elsewhere count
-  `pull_value` (a pull is cheaper than a recompute, dearer than a local hit). It scores
-  `predicted tokens - load_weight * load` and takes the best (ties: least loaded, then in turn).
+- `prefix`: the node where the request's first token comes soonest, in prefill tokens. For
+  each node it predicts the tokens the request computes there: the prompt, less the blocks
+  the node holds itself (a local hit, free), less `pull_value` of each block the pool holds
+  elsewhere (a pull costs a little, a recompute all). To that it adds the node's queue: the
+  predicted compute of this router's requests there still waiting for their first token,
+  and `load_weight` tokens for each request there already generating (they share its steps)
+  or sent by someone else. It takes the cheapest (ties: least loaded, then in turn).
   What a node holds comes from two sources, the larger wins: the global index (a node-local
   view of it, `metaserver.view`, when the router has `--metaserver`: exact for the pools),
   and the router's own record of the chains it sent to each node, an LRU of the node's KV
@@ -31,7 +33,8 @@ POLICIES = ("round-robin", "least-loaded", "prefix")
 @dataclass(frozen=True, slots=True)
 class Choice:
     node: Backend
-    predicted_hit_tokens: int = 0
+    predicted_hit_tokens: int = 0    # prompt tokens the node will not compute (local or pulled)
+    compute_tokens: int = 0          # tokens it will compute (a pulled block counts 1 - pull_value)
 
 
 class Policy:
@@ -99,9 +102,10 @@ class RouteTable:
 class Prefix(Policy):
     name = "prefix"
 
-    def __init__(self, block_size: int, view: IndexView | None = None, load_weight: float = 256.0,
-                 pull_value: float = 0.5) -> None:
-        """`load_weight`: prompt tokens one queued request is worth; `pull_value`: the share of a
+    def __init__(self, block_size: int, view: IndexView | None = None, load_weight: float = 32.0,
+                 pull_value: float = 0.9) -> None:
+        """`load_weight`: prefill tokens one generating request on a node is worth (the time it
+        adds to the steps a new prompt's prefill shares); `pull_value`: the share of a
         recompute a pulled token saves (0..1)."""
         super().__init__()
         if load_weight < 0 or not 0 <= pull_value <= 1:
@@ -124,27 +128,26 @@ class Prefix(Policy):
         if got is not None:
             self.view_answers += 1
             pool, by_node = got
-        best: list[tuple[float, int, Backend]] = []
+        costs: list[tuple[float, Choice]] = []
         for n in nodes:
             local = max(by_node.get(n.node_id, 0) if n.node_id else 0, self.table.prefix(n, hashes))
             pulled = max(0, pool - local)
-            hit_tokens = (local + pulled) * self.block_size
-            score = (local + self.pull_value * pulled) * self.block_size - self.load_weight * n.load
-            best.append((score, hit_tokens, n))
-        top = max(s for s, _, _ in best)
-        tied = [(h, n) for s, h, n in best if s == top]
-        least = min(n.load for _, n in tied)
-        tied = [(h, n) for h, n in tied if n.load == least]
-        hit, node = tied[next(self._turn) % len(tied)]
-        return Choice(node, hit)
+            compute = chain.num_tokens - (local + self.pull_value * pulled) * self.block_size
+            queue = n.prefilling + self.load_weight * (n.decoding + n.external)
+            costs.append((compute + queue, Choice(n, (local + pulled) * self.block_size, round(compute))))
+        low = min(c for c, _ in costs)
+        tied = [ch for c, ch in costs if c == low]
+        least = min(ch.node.load for ch in tied)
+        tied = [ch for ch in tied if ch.node.load == least]
+        return tied[next(self._turn) % len(tied)]
 
     def routed(self, node: Backend, chain: Chain | None) -> None:
         if chain is not None:
             self.table.record(node, chain.hashes)
 
 
-def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 256.0,
-                pull_value: float = 0.5) -> Policy:
+def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 32.0,
+                pull_value: float = 0.9) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":

@@ -40,24 +40,27 @@ def test_round_robin_and_least_loaded() -> None:
     assert ll.choose(ns, None).node.url == "http://n2"
 
 
-def test_prefix_goes_to_the_holder_when_loads_are_close() -> None:
-    ns = nodes(1, 0)
+def test_prefix_goes_to_the_holder_when_queues_are_close() -> None:
+    ns = nodes(0, 0)
+    ns[0].decoding = 1
     p = Prefix(BS, View(pool=10, by_node={"n0": 10}), load_weight=16, pull_value=0.5)
-    c = p.choose(ns, chain(12))
-    # n0: 10 local blocks, load 1 -> 160 - 16; n1: 10 pulled at half value, load 0 -> 80
-    assert c.node.url == "http://n0" and c.predicted_hit_tokens == 160
+    c = p.choose(ns, chain(12))  # 197 prompt tokens
+    # n0: computes 197 - 160 = 37, queue 16 -> 53; n1: computes 197 - 80 = 117 -> n0
+    assert c.node.url == "http://n0" and c.predicted_hit_tokens == 160 and c.compute_tokens == 37
 
 
-def test_prefix_trades_hits_against_load() -> None:
-    ns = nodes(6, 0)
+def test_prefix_weighs_compute_against_the_queue() -> None:
+    ns = nodes(0, 0)
     p = Prefix(BS, View(pool=10, by_node={"n0": 10}), load_weight=16, pull_value=0.5)
-    # n0: 160 - 96 = 64; n1: 80 -> the idle node, pulling the prefix
-    c = p.choose(ns, chain(12))
-    assert c.node.url == "http://n1" and c.predicted_hit_tokens == 160
+    ns[0].prefilling = 100  # another request of this router waits for its first token there
+    c = p.choose(ns, chain(12))  # n0: 37 + 100 = 137; n1: 117 -> n1, pulling the prefix
+    assert c.node.url == "http://n1" and c.predicted_hit_tokens == 160 and c.compute_tokens == 117
     p.pull_value = 0.0  # pool off: the prefix is only where it was computed
-    assert p.choose(ns, chain(12)).node.url == "http://n0"  # 64 > 0
-    p.load_weight = 100.0
-    assert p.choose(ns, chain(12)).node.url == "http://n1"  # 160 - 600 < 0
+    assert p.choose(ns, chain(12)).node.url == "http://n0"  # 137 < 197
+    p.pull_value = 0.9
+    ns[0].prefilling = 0
+    ns[0].external = 3      # requests another router sent there: 48 tokens of queue
+    assert p.choose(ns, chain(12)).node.url == "http://n1"  # 37 + 48 = 85 > 197 - 144 = 53
 
 
 def test_prefix_without_a_hit_balances_and_records_routes() -> None:
