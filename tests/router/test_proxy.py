@@ -174,17 +174,20 @@ def test_bad_json_is_refused_at_the_door() -> None:
 
 def test_chunks_arrive_before_the_answer_completes() -> None:
     async def body(cluster) -> None:  # noqa: ANN001
-        url, ups, _ = cluster
+        url, ups, router = cluster
         for u in ups:
             u.mode = "slow"
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{url}/v1/completions", json={"prompt": "x", "stream": True}) as r:
                 first = await asyncio.wait_for(r.content.readline(), 30)   # the node still holds the rest
                 assert b'"i": 0' in first
+                busy = [b for b in router.backends.nodes if b.in_flight]
+                assert len(busy) == 1 and busy[0].decoding == 1 and busy[0].prefilling == 0  # prefill over
                 for u in ups:
                     u.release.set()
                 rest = await r.text()
         assert '"i": 1' in rest and "[DONE]" in rest
+        assert all(b.in_flight == b.decoding == b.prefilling == 0 for b in router.backends.nodes)
 
     run(body)
 
