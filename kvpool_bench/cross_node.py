@@ -465,6 +465,14 @@ def print_rounds(per_round: list[dict[str, dict]]) -> None:
             ratios = (f"{s['tpot_mean_s'] / off['tpot_mean_s']:>10.3f}  {s['ttft_p50_s'] / off['ttft_p50_s']:>14.3f}"
                       if off and name != ref else "")
             print(f"{i:>5}  {name:<{width}} {1e3 * s['tpot_mean_s']:>12.1f} {s['ttft_p50_s']:>11.2f}  {ratios}")
+    if ref is None:
+        return
+    # The rounds' own ratios: each round's configurations ran minutes apart, the rounds longer.
+    for name in per_round[0]:
+        if name != ref:
+            tpot = statistics.median(r[name]["tpot_mean_s"] / r[ref]["tpot_mean_s"] for r in per_round)
+            ttft = statistics.median(r[name]["ttft_p50_s"] / r[ref]["ttft_p50_s"] for r in per_round)
+            print(f"median of the rounds' ratios, {name} / {ref}: TPOT mean {tpot:.3f}x, TTFT p50 {ttft:.3f}x")
 
 
 def print_table(summaries: dict[str, dict]) -> None:

@@ -56,7 +56,8 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return _error(400, f"invalid JSON body: {err}")
         self.requests += 1
-        chain = self._chain(body, chat)
+        # Tokenizing a long prompt takes milliseconds: off the event loop, which streams for everyone.
+        chain = await asyncio.to_thread(self._chain, body, chat) if self.policy.name == "prefix" else None
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         tried: set[str] = set()
         last = "no node is up"
@@ -119,6 +120,9 @@ class Router:
                         node.predicted_hit_tokens += choice.predicted_hit_tokens
                         self.policy.routed(node, chain)
                     await resp.write(data)
+            except ConnectionResetError:  # the client went away: stop reading the node's answer
+                log.info("client of %s left mid-answer", request.path)
+                return resp
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                 if not started:
                     self.backends.mark_down(node, str(err) or type(err).__name__)

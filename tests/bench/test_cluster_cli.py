@@ -22,22 +22,27 @@ def kvpool(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 def test_cluster_up_status_down(tmp_path: Path) -> None:
     run = tmp_path / "cluster"
     up = kvpool("cluster", "up", "--nodes", "2", "--run-dir", str(run), "--pool-size", "128MiB",
-                "--engine-arg=--kv-cache-bytes=128MiB")
+                "--engine-arg=--kv-cache-bytes=128MiB", "--router")
     state = run / "cluster.json"
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         info = json.loads(state.read_text())
         names = [p["name"] for p in info["processes"]]
-        assert names == ["etcd", "metaserver", "node-0", "node-1"]
-        for p in info["processes"][2:]:
+        assert names == ["etcd", "metaserver", "node-0", "node-1", "router"]
+        router = info["processes"][4]["address"]
+        health = http_json(router + "/health", timeout_s=5)
+        assert health[0] == 200 and health[1]["nodes_up"] == 2
+        status, body = http_json(router + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"]
+        for p in info["processes"][2:4]:
             assert http_json(p["address"] + "/health", timeout_s=5)[0] == 200
             assert http_json(p["address"] + "/stats", timeout_s=5)[1]["pool_puts"] == 0  # connector on
         again = kvpool("cluster", "up", "--run-dir", str(run))
         assert again.returncode == 1 and "already runs" in again.stderr
         st = kvpool("cluster", "status", "--run-dir", str(run))
-        assert st.returncode == 0 and st.stdout.count("running") == 4 and st.stdout.count(" ready") == 2
+        assert st.returncode == 0 and st.stdout.count("running") == 5 and st.stdout.count(" ready") == 3
         # the cross-node benchmark against these running nodes (as against a Helm release)
-        urls = ",".join(p["address"] for p in info["processes"][2:])
+        urls = ",".join(p["address"] for p in info["processes"][2:4])
         out = tmp_path / "bench.json"
         bench = kvpool("bench", "cross-node", "--urls", urls, "--users", "3", "--rounds", "2", "--groups", "1",
                        "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16", "--output-tokens", "2",
@@ -49,7 +54,7 @@ def test_cluster_up_status_down(tmp_path: Path) -> None:
         assert on["errors"] == 0 and on["requests"] == 6 and on["remote_hit_tokens"] > 0 and on["bytes_transferred"] > 0
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
-    assert down.returncode == 0 and down.stdout.count("stopped") == 4
+    assert down.returncode == 0 and down.stdout.count("stopped") == 5
     assert not state.exists()
     for p in info["processes"]:
         assert not Path(f"/proc/{p['pid']}").exists() or b"kvpool" not in Path(f"/proc/{p['pid']}/cmdline").read_bytes()
