@@ -74,7 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default="on,off",
                    help="pool configurations to run, comma-separated: on (save policy write_through), off, "
-                        "selective (pool on, save_policy selective)")
+                        "selective (pool on, save_policy selective), noview (pool on, lookups by RPC only)")
     p.add_argument("--fronts", default="client",
                    help="what routes the requests, comma-separated (each runs every --configs): client (the "
                         "benchmark sends each request to the node --routing names), round-robin, least-loaded, "
@@ -306,7 +306,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
 
 CONFIGS = {"on": None, "off": None,
            "selective": {"kv_connector": "mooncake", "kv_role": "kv_both",
-                         "kv_connector_extra_config": {"save_policy": "selective"}}}
+                         "kv_connector_extra_config": {"save_policy": "selective"}},
+           # Lookups by batched RPC only: what a node-local index view costs its engine process.
+           "noview": {"kv_connector": "mooncake", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"lookup_view": False}}}
 
 
 OUR_FRONTS = ("round-robin", "least-loaded", "prefix")

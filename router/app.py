@@ -38,12 +38,21 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 
 class Router:
-    def __init__(self, backends: Backends, policy: Policy, hasher: PromptHasher | None) -> None:
+    def __init__(self, backends: Backends, policy: Policy, hasher: PromptHasher | None,
+                 prefix_wait_s: float = 10.0, prefix_wait_blocks: int = 2) -> None:
+        """`prefix_wait_s`, `prefix_wait_blocks`: a request sent to a node where another one
+        with at least that many leading blocks in common is still in its prefill waits (at
+        most that long) for the other's first byte, so it hits the prefix there instead of
+        computing it a second time beside it in the same batch."""
         self.backends = backends
         self.policy = policy
         self.hasher = hasher
+        self.prefix_wait_s = prefix_wait_s
+        self.prefix_wait_blocks = prefix_wait_blocks
+        self._prefilling: dict[str, list[tuple[tuple[bytes, ...], asyncio.Event]]] = {}  # node url -> chains
         self.retries = 0        # requests sent again to another node (counter)
         self.errors = 0         # requests that no node could take (counter)
+        self.prefix_waits = 0   # requests held for a prefix being computed on their node (counter)
         self.requests = 0
 
     def _chain(self, body: bytes, chat: bool) -> Chain | None:
@@ -73,8 +82,11 @@ class Router:
             tried.add(node.url)
             node.in_flight += 1
             node.prefilling += choice.compute_tokens
-            progress = _Progress()
+            mine = self._hold(node, chain)
+            progress = _Progress(mine[1].set if mine is not None else None)
             try:
+                if mine is not None:
+                    await self._wait_for_shared_prefix(node, chain, mine)
                 resp = await self._forward(request, node, body, headers, chain, choice, progress)
             except _NotAccepted as err:
                 last = f"{node.url}: {err}"
@@ -85,7 +97,49 @@ class Router:
                     node.decoding -= 1
                 else:
                     node.prefilling -= choice.compute_tokens
+                self._release(node, mine)
             return resp
+
+    def _hold(self, node: Backend, chain: Chain | None) -> tuple[tuple[bytes, ...], asyncio.Event] | None:
+        """Note that a request with `chain` is in its prefill on `node` (until `_release`)."""
+        if chain is None or not chain.hashes:
+            return None
+        entry = (chain.hashes, asyncio.Event())
+        self._prefilling.setdefault(node.url, []).append(entry)
+        self.policy.routed(node, chain)  # the prefix will be there: later requests predict the hit
+        return entry
+
+    def _release(self, node: Backend, entry: tuple[tuple[bytes, ...], asyncio.Event] | None) -> None:
+        if entry is None:
+            return
+        entry[1].set()
+        pending = self._prefilling.get(node.url, [])
+        if entry in pending:
+            pending.remove(entry)
+
+    async def _wait_for_shared_prefix(self, node: Backend, chain: Chain | None,
+                                      mine: tuple[tuple[bytes, ...], asyncio.Event]) -> None:
+        """Wait for the first byte of an earlier request on `node` that shares at least
+        `prefix_wait_blocks` leading blocks with this one (the longest such share)."""
+        assert chain is not None
+        best, event = 0, None
+        for hashes, ev in self._prefilling.get(node.url, []):
+            if ev is mine[1] or ev.is_set():
+                continue
+            shared = 0
+            for a, b in zip(hashes, chain.hashes):
+                if a != b:
+                    break
+                shared += 1
+            if shared > best:
+                best, event = shared, ev
+        if event is None or best < self.prefix_wait_blocks or self.prefix_wait_s <= 0:
+            return
+        self.prefix_waits += 1
+        try:
+            await asyncio.wait_for(event.wait(), self.prefix_wait_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def _forward(self, request: web.Request, node: Backend, body: bytes, headers: dict[str, str],
                        chain: Chain | None, choice: Choice, progress: _Progress) -> web.StreamResponse:
@@ -118,7 +172,7 @@ class Router:
                         node.decoding += 1
                         node.requests += 1
                         node.predicted_hit_tokens += choice.predicted_hit_tokens
-                        self.policy.routed(node, chain)
+                        progress.first_byte()
                     await resp.write(data)
             except ConnectionResetError:  # the client went away: stop reading the node's answer
                 log.info("client of %s left mid-answer", request.path)
@@ -163,6 +217,7 @@ class Router:
     async def metrics(self, request: web.Request) -> web.Response:
         p = "kvpool_router:"
         lines = [f"# TYPE {p}requests_total counter", f"{p}requests_total {self.requests}",
+                 f"# TYPE {p}prefix_waits_total counter", f"{p}prefix_waits_total {self.prefix_waits}",
                  f"# TYPE {p}retries_total counter", f"{p}retries_total {self.retries}",
                  f"# TYPE {p}errors_total counter", f"{p}errors_total {self.errors}"]
         per_node = (("node_requests_total", "counter", lambda b: b.requests),
@@ -181,7 +236,15 @@ class Router:
 
 
 class _Progress:
-    started = False   # the node's first byte reached the client
+    """Where a forwarded request is: `started` once the node's first byte reached the client."""
+
+    def __init__(self, on_first_byte: Callable[[], None] | None = None) -> None:
+        self.started = False
+        self._on_first_byte = on_first_byte
+
+    def first_byte(self) -> None:
+        if self._on_first_byte is not None:
+            self._on_first_byte()
 
 
 class _NotAccepted(Exception):

@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pull-value", type=float, default=0.9,
                    help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1; "
                         "on loopback TCP a pull costs a few %% of a recompute)")
+    p.add_argument("--prefix-wait", type=float, default=10.0,
+                   help="prefix: a request sent where another with the same leading blocks is still in its prefill "
+                        "waits up to this long (s) for the other's first token, then hits the prefix (0 = never wait)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes of the nodes")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="prefix: wait this long for every node's /kv_layout at start")
@@ -80,7 +83,7 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
         if view is not None:
             view.close()
 
-    return build_app(Router(backends, policy, hasher), cleanup)
+    return build_app(Router(backends, policy, hasher, prefix_wait_s=args.prefix_wait), cleanup)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -91,6 +94,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         host, port = _listen(args.listen)
+        if args.prefix_wait < 0:
+            raise ValueError(f"--prefix-wait must be >= 0, got {args.prefix_wait}")
         if args.load_weight < 0 or not 0 <= args.pull_value <= 1:
             raise ValueError(f"need --load-weight >= 0 and 0 <= --pull-value <= 1, got {args.load_weight}, "
                              f"{args.pull_value}")

@@ -48,7 +48,7 @@ class Policy:
         raise NotImplementedError
 
     def routed(self, node: Backend, chain: Chain | None) -> None:
-        """`node` accepted the request (its first byte arrived)."""
+        """The request with `chain` was sent to `node` (its prefix will be there)."""
 
     def _in_turn(self, nodes: Sequence[Backend]) -> Backend:
         return nodes[next(self._turn) % len(nodes)]

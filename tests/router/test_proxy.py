@@ -17,11 +17,13 @@ from aiohttp.test_utils import TestServer
 from kvpool_harness.processes import free_port
 from router.app import Router, build_app
 from router.backends import Backends
-from router.policy import RoundRobin
+from router.chain import Chain
+from router.policy import Prefix, RoundRobin
 
 
 class Upstream:
-    """A scripted node: `mode` is ok | fail500 | overloaded | die_before | die_mid | slow."""
+    """A scripted node: `mode` is ok | fail500 | overloaded | die_before | die_mid | slow |
+    hold_first (nothing is sent until `release` is set: a long prefill)."""
 
     def __init__(self, name: str, mode: str = "ok") -> None:
         self.name = name
@@ -59,6 +61,8 @@ class Upstream:
             assert request.transport is not None
             request.transport.close()  # the connection drops with nothing sent
             return web.Response()
+        if self.mode == "hold_first":
+            await self.release.wait()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(f'data: {{"node": "{self.name}", "i": 0}}\n\n'.encode())
@@ -73,16 +77,26 @@ class Upstream:
         return resp
 
 
+class WordHasher:
+    """Stands for PromptHasher: one block per word of a completion prompt."""
+
+    def chain(self, body: bytes, chat: bool) -> Chain:
+        words = json.loads(body)["prompt"].split()
+        return Chain(tuple(w.encode().ljust(32, b".") for w in words), len(words) + 1)
+
+
 @contextlib.asynccontextmanager
-async def scripted_cluster() -> AsyncIterator:
-    """Three scripted nodes (a, b, c) behind a round-robin router; yields (router URL, nodes, router)."""
+async def scripted_cluster(policy: str = "round-robin") -> AsyncIterator:
+    """Three scripted nodes (a, b, c) behind a router (round-robin, or prefix over words);
+    yields (router URL, nodes, router)."""
     ups = [Upstream(n) for n in "abc"]
     for u in ups:
         u.server = TestServer(u.app(), host="127.0.0.1", port=free_port())
         await u.server.start_server()
     backends = Backends([str(u.server.make_url("")).rstrip("/") for u in ups], probe_interval_s=60)
     await backends.start()
-    router = Router(backends, RoundRobin(), None)
+    router = (Router(backends, RoundRobin(), None) if policy == "round-robin" else
+              Router(backends, Prefix(1, None, load_weight=32, pull_value=0.9), WordHasher()))
     server = TestServer(build_app(router, backends.close), host="127.0.0.1", port=free_port())
     await server.start_server()
     yield str(server.make_url("")).rstrip("/"), ups, router
@@ -91,10 +105,10 @@ async def scripted_cluster() -> AsyncIterator:
         await u.server.close()
 
 
-def run(test: Callable[..., Awaitable[None]]) -> None:
+def run(test: Callable[..., Awaitable[None]], policy: str = "round-robin") -> None:
     """Run an async test body with a fresh scripted cluster (no asyncio plugin needed)."""
     async def main() -> None:
-        async with scripted_cluster() as cluster:
+        async with scripted_cluster(policy) as cluster:
             await test(cluster)
 
     asyncio.run(main())
@@ -209,3 +223,34 @@ def test_health_metrics_and_models() -> None:
 
 
     run(body)
+
+def test_a_request_waits_for_its_prefix_being_computed_on_its_node() -> None:
+    """Prefix policy: a second request with the same 20 leading blocks goes to the node still
+    prefilling the first (the others are busy) and is held at the router until the first's
+    first byte, so the node has the prefix cached when it arrives; an unrelated request is
+    not held."""
+    async def body(cluster) -> None:  # noqa: ANN001
+        url, ups, router = cluster
+        for u in ups:
+            u.mode = "hold_first"
+        router.backends.nodes[1].external = router.backends.nodes[2].external = 20  # b and c are busy
+        shared = " ".join(f"w{i}" for i in range(20))
+        first = asyncio.create_task(post(url, {"prompt": shared + " x", "stream": True}))
+        while not ups[0].seen:
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(post(url, {"prompt": shared + " y", "stream": True}))
+        while router.prefix_waits < 1:
+            await asyncio.sleep(0.01)
+        other = asyncio.create_task(post(url, {"prompt": "z " * 20, "stream": True}))
+        while sum(len(u.seen) for u in ups) < 2:  # the unrelated one is forwarded meanwhile
+            await asyncio.sleep(0.01)
+        sent = [b["prompt"] for u in ups for b in u.seen]
+        assert shared + " y" not in sent and router.prefix_waits == 1  # the second is held at the router
+        for u in ups:
+            u.release.set()
+        results = await asyncio.gather(first, second, other)
+        assert [status for status, _, _ in results] == [200, 200, 200]
+        assert results[0][2]["x-kvpool-node"] == results[1][2]["x-kvpool-node"]  # where the prefix was computed
+        assert router.prefix_waits == 1
+
+    run(body, "prefix")
