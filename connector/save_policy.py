@@ -18,11 +18,16 @@ from collections.abc import Sequence
 POLICIES = ("write_through", "selective")
 
 
+def check_policy(policy: str) -> None:
+    """ValueError unless `policy` is one of POLICIES."""
+    if policy not in POLICIES:
+        raise ValueError(f"save_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
 class SavePolicy:
     def __init__(self, policy: str, seen_blocks: int) -> None:
         """ValueError for an unknown policy or a bad `seen_blocks`."""
-        if policy not in POLICIES:
-            raise ValueError(f"save_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        check_policy(policy)
         if seen_blocks < 1:
             raise ValueError(f"save_seen_blocks must be >= 1, got {seen_blocks}")
         self.policy = policy

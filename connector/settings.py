@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connector.save_policy import POLICIES
+from connector.save_policy import check_policy
 from kvpool.layout import parse_size
 from kvpool.transfer import TransferConfig
 from metaserver.client import MetaClient
@@ -38,7 +38,8 @@ def _flag(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
-def _default_node_id() -> str:
+def default_node_id() -> str:
+    """A node id when none is configured: this host and process."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
@@ -79,7 +80,7 @@ class PoolConnectorSettings:
                                       local_hostname=extra("local_hostname", "127.0.0.1"),
                                       transfer_timeout_s=int(extra("transfer_timeout_s", 5)),
                                       progress_timeout_s=int(extra("progress_timeout_s", 2)))
-            return cls(metaserver=str(metaserver), node_id=str(extra("node_id", "") or _default_node_id()),
+            return cls(metaserver=str(metaserver), node_id=str(extra("node_id", "") or default_node_id()),
                        pool_size_bytes=parse_size(extra("pool_size", "1GiB")), transfer=transfer,
                        lease_ttl_s=int(extra("lease_ttl_s", 10)),
                        read_timeout_s=min(float(extra("read_timeout_s", 10.0)), load_timeout_s),
@@ -100,8 +101,7 @@ class PoolConnectorSettings:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 
     def __post_init__(self) -> None:
-        if self.save_policy not in POLICIES:
-            raise ValueError(f"save_policy must be one of {', '.join(POLICIES)}, got {self.save_policy!r}")
+        check_policy(self.save_policy)
         if self.save_seen_blocks < 1 or self.save_queue_blocks < 1:
             raise ValueError("save_seen_blocks and save_queue_blocks must be >= 1")
 

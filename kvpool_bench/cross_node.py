@@ -31,6 +31,7 @@ from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, hash_id_oracle, load_trace,
                                     mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
 from kvpool_harness.engine_node import read_api_key
+from router.policy import POLICIES
 
 BLOCK_SIZE = 16
 BLOCK_SIZES = {"kvpool": BLOCK_SIZE, "vllm": 128}   # the engines' default block sizes (tokens)
@@ -312,17 +313,14 @@ CONFIGS = {"on": None, "off": None,
                       "kv_connector_extra_config": {"lookup_view": False}}}
 
 
-OUR_FRONTS = ("round-robin", "least-loaded", "prefix")
-
-
 def config_name(config: str, front: str) -> str:
     return f"pool-{config}" if front == "client" else f"{front}/pool-{config}"
 
 
 def check_fronts(fronts: list[str]) -> None:
     for f in fronts:
-        if f != "client" and f not in OUR_FRONTS and not (f.startswith("vllm-router:") and f.split(":", 1)[1]):
-            raise ValueError(f"--fronts: unknown front {f!r} (client, {', '.join(OUR_FRONTS)}, vllm-router:POLICY)")
+        if f != "client" and f not in POLICIES and not (f.startswith("vllm-router:") and f.split(":", 1)[1]):
+            raise ValueError(f"--fronts: unknown front {f!r} (client, {', '.join(POLICIES)}, vllm-router:POLICY)")
 
 
 def run_config(args: argparse.Namespace, config: str, requests: list[BenchRequest],
@@ -338,7 +336,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
     spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=config != "off",
                        pool_size=args.pool_size, kv_transfer_config=CONFIGS[config],
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg),
-                       router=front if front in OUR_FRONTS else "")
+                       router=front if front in POLICIES else "")
     run_dir = Path(args.run_dir) / name.replace("/", "_").replace(":", "-")
     with LocalCluster(run_dir, spec) as cluster:
         nodes = [n.url for n in cluster.nodes]

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import socket
 import sys
 
 from kvpool.layout import parse_size
@@ -74,7 +72,9 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
             extra[key] = value
     # The connector's default id, fixed here so that /kv_layout can name it (a router maps the
     # index's node ids to URLs through it).
-    extra.setdefault("node_id", f"{socket.gethostname()}-{os.getpid()}")
+    from connector.settings import default_node_id
+
+    extra.setdefault("node_id", default_node_id())
     if "pool_size" in extra:
         parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,

@@ -29,6 +29,7 @@ from kvpool_harness.engine_node import EngineProcess, http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.router_node import RouterProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
+from router.policy import POLICIES
 
 STATE = "cluster.json"
 
@@ -140,7 +141,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
     up.add_argument("--timeout", type=float, default=300.0, help="ready deadline in seconds")
     up.add_argument("--router", nargs="?", const="prefix", default="",
-                    choices=["round-robin", "least-loaded", "prefix"],
+                    choices=POLICIES,
                     help="also start `kvpool router` in front of the nodes (policy; default prefix)")
     for name in ("status", "down"):
         c = cmds.add_parser(name)

@@ -56,7 +56,7 @@ class Router:
         self.requests = 0
 
     def _chain(self, body: bytes, chat: bool) -> Chain | None:
-        return self.hasher.chain(body, chat) if self.hasher is not None and self.policy.name == "prefix" else None
+        return self.hasher.chain(body, chat) if self.hasher is not None else None
 
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()

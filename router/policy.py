@@ -53,6 +53,10 @@ class Policy:
     def _in_turn(self, nodes: Sequence[Backend]) -> Backend:
         return nodes[next(self._turn) % len(nodes)]
 
+    def _least_loaded(self, nodes: Sequence[Backend]) -> Backend:
+        least = min(n.load for n in nodes)
+        return self._in_turn([n for n in nodes if n.load == least])
+
 
 class RoundRobin(Policy):
     name = "round-robin"
@@ -65,8 +69,7 @@ class LeastLoaded(Policy):
     name = "least-loaded"
 
     def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
-        least = min(n.load for n in nodes)
-        return Choice(self._in_turn([n for n in nodes if n.load == least]))
+        return Choice(self._least_loaded(nodes))
 
 
 class RouteTable:
@@ -119,8 +122,7 @@ class Prefix(Policy):
 
     def choose(self, nodes: Sequence[Backend], chain: Chain | None) -> Choice:
         if chain is None or not chain.hashes:
-            least = min(n.load for n in nodes)
-            return Choice(self._in_turn([n for n in nodes if n.load == least]))
+            return Choice(self._least_loaded(nodes))
         # The last prompt token is always computed: at most (num_tokens - 1) // bs blocks hit.
         hashes = chain.hashes[:(chain.num_tokens - 1) // self.block_size]
         pool, by_node = 0, {}

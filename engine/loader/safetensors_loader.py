@@ -13,6 +13,7 @@ from engine.tokenizer import Tokenizer
 
 def load_safetensors(folder: Path, with_weights: bool = True) -> LoadedModel:
     try:
+        from safetensors import safe_open
         from safetensors.torch import load_file
     except ImportError:
         raise ModelLoadError("reading safetensors needs the PyPI package safetensors") from None
@@ -28,6 +29,10 @@ def load_safetensors(folder: Path, with_weights: bool = True) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for f in files if with_weights else ():
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    names = set(weights)
+    for f in () if with_weights else files:  # no weights wanted: the tensors' names from the headers
+        with safe_open(str(f), "pt") as st:
+            names.update(st.keys())
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id", 2)
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
@@ -37,7 +42,7 @@ def load_safetensors(folder: Path, with_weights: bool = True) -> LoadedModel:
         num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rope_theta=float(cfg.get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-5)), max_position=cfg.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", with_weights and "lm_head.weight" not in weights)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", "lm_head.weight" not in names)),
         bos_token_id=cfg.get("bos_token_id", 1), eos_token_ids=eos_ids)
     if cfg.get("rope_scaling"):
         raise ModelLoadError(f"rope_scaling {cfg['rope_scaling']} is not supported yet")
