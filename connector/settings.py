@@ -3,7 +3,8 @@
 Both halves and every host (our engine's `MooncakeConnector`, a vLLM plug-in) take these
 instead of reading the free-form JSON themselves.
 
-Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, protocol,
+Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, api_url (the engine's
+http://HOST:PORT, announced in the node registry for routers), protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
 lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
 view_stale_s, async_saves, save_queue_blocks, save_policy (write_through | selective: see
@@ -66,6 +67,7 @@ class PoolConnectorSettings:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     token_file: str = ""
+    api_url: str = ""                  # the engine's API (http://HOST:PORT) in the registry; "" = none
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
@@ -96,7 +98,8 @@ class PoolConnectorSettings:
                        save_seen_blocks=int(extra("save_seen_blocks", 65536)),
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
-                       tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""))
+                       tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""),
+                       api_url=str(extra("api_url", "")))
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 

@@ -21,6 +21,7 @@ class PoolConfig:
     read_timeout_s: float = 10.0         # a read that has not finished by then fails
     max_read_blocks: int = 4096          # blocks in flight in reads at once (header scratch)
     rpc_timeout_s: float = 5.0
+    api_url: str = ""                    # the engine's API, announced with the registration (routers)
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:

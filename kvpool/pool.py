@@ -84,7 +84,7 @@ class NodePool:
             return
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
-                                    self.config.lease_ttl_s)
+                                    self.config.lease_ttl_s, api_url=self.config.api_url)
         self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
                                     on_failure=self._session.resync)
         self._session.start()

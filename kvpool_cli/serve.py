@@ -42,6 +42,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--advertise-url", default="",
+                   help="this server's URL as routers should reach it, announced in the pool's node registry "
+                        "(default http://HOST:PORT; none when --host is a wildcard address)")
     s.add_argument("--max-request-bytes", default="4MiB", help="larger request bodies get HTTP 413")
     s.add_argument("--max-pending-requests", type=int, default=0,
                    help="answer HTTP 503 (overloaded) beyond this many requests in flight; 0 = no limit")
@@ -55,6 +58,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+
+
+def advertised_url(args: argparse.Namespace) -> str:
+    """The URL `kvpool serve` announces in the node registry ("" for `generate`, or a
+    wildcard --host with no --advertise-url: no address others could use)."""
+    if getattr(args, "advertise_url", ""):
+        return args.advertise_url
+    host = getattr(args, "host", "")
+    if not host or host in ("0.0.0.0", "::", "[::]"):
+        return ""
+    return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
 
 
 def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
@@ -75,6 +89,9 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     from connector.settings import default_node_id
 
     extra.setdefault("node_id", default_node_id())
+    url = advertised_url(args)
+    if url:
+        extra.setdefault("api_url", url)
     if "pool_size" in extra:
         parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,

@@ -25,8 +25,8 @@ class RouterProcess(ChildProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        args = ["router", "--listen", f"127.0.0.1:{self.port}", "--nodes", ",".join(self.nodes),
-                "--policy", self.policy, *self.extra_args]
+        args = ["router", "--listen", f"127.0.0.1:{self.port}", "--policy", self.policy, *self.extra_args]
+        args += ["--nodes", ",".join(self.nodes)] if self.nodes else ["--discover"]  # none: the node registry's
         return args + (["--metaserver", self.metaserver] if self.metaserver else [])
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:

@@ -110,9 +110,10 @@ def _run(args: argparse.Namespace, client: MetaClient) -> tuple[object, str]:
     if cmd == "nodes":
         nodes = client.list_nodes()
         data = [dict(_node_dict(n), num_blocks=k) for n, k in nodes]
-        rows = [[n.node_id, n.session_address, n.namespace, n.capacity_bytes, k, f"{n.lease_id:x}",
-                 "draining" if n.draining else "active"] for n, k in nodes]
-        return data, _table(rows, ["NODE", "SESSION", "NAMESPACE", "CAPACITY_BYTES", "BLOCKS", "LEASE", "STATE"])
+        rows = [[n.node_id, n.session_address, n.api_url or "-", n.namespace, n.capacity_bytes, k,
+                 f"{n.lease_id:x}", "draining" if n.draining else "active"] for n, k in nodes]
+        return data, _table(rows, ["NODE", "SESSION", "API", "NAMESPACE", "CAPACITY_BYTES", "BLOCKS", "LEASE",
+                                   "STATE"])
     if cmd == "stats":
         s = client.stats()
         data = asdict(s)

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats,
 log = logging.getLogger(__name__)
 
 _MAX_ID_LEN = 256
+_API_URL = re.compile(r"https?://(?:\[[0-9a-fA-F:.]+\]|[^/\s:\[\]]+):[0-9]{1,5}/?")  # a node's API: scheme, host and port
 _MAX_SHOWN = 64  # characters of a rejected value repeated in an error message
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -226,8 +228,9 @@ class MetaService:
 
     async def register_node(self, node_id: str, session_address: str, buffer_address: int,
                             capacity_bytes: int, namespace: str, lease_ttl_s: int,
-                            proof: str | None = None) -> tuple[NodeRecord, str]:
+                            proof: str | None = None, api_url: str = "") -> tuple[NodeRecord, str]:
         """(Re-)register a node under a new lease; returns it and its new session token.
+        `api_url` ("" or http(s)://HOST:PORT) is where its engine serves, for routers.
 
         A node already registered under this id is replaced and its old blocks are dropped:
         a restarted node has new slots. Replacing a live registration that has a session
@@ -239,6 +242,8 @@ class MetaService:
             raise InvalidArgument(f"capacity_bytes must be in 1..{self.config.max_capacity_bytes}, got {capacity_bytes}")
         if not namespace or len(namespace) > _MAX_ID_LEN:
             raise InvalidArgument("layout_fingerprint is required (at most 256 characters)")
+        if api_url and (len(api_url) > _MAX_ID_LEN or not _API_URL.fullmatch(api_url)):
+            raise InvalidArgument(f"api_url must be empty or http(s)://HOST:PORT, got {_show(api_url)}")
         ttl = lease_ttl_s or self.config.default_lease_ttl_s
         if not 1 <= ttl <= self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
@@ -256,7 +261,8 @@ class MetaService:
             if old is not None:
                 await self.store.etcd.lease_revoke(old.lease_id)
             node = NodeRecord(NodeId(node_id), session_address, buffer_address, capacity_bytes,
-                              Namespace(namespace), lease_id, granted, session_digest=session_digest(token))
+                              Namespace(namespace), lease_id, granted, api_url=api_url,
+                              session_digest=session_digest(token))
             await self.store.write_node(node)
         except EtcdError as err:
             if isinstance(err, EtcdUnavailable):

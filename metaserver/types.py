@@ -21,6 +21,7 @@ class NodeRecord:
     lease_id: int             # etcd lease its records live under
     lease_ttl_s: int
     draining: bool = False    # no new publishes; not a source any more
+    api_url: str = ""         # its engine's OpenAI API (http://host:port), "" when not announced
     # SHA-256 of the registration's session token (metaserver.auth); b"" when unknown
     # (records that came over RPC never carry it).
     session_digest: bytes = field(default=b"", repr=False)

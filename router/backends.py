@@ -44,6 +44,7 @@ class Backend:
     requests: int = 0          # routed to it (counter)
     predicted_hit_tokens: int = 0  # the policy's predicted hits of those requests (counter)
     failures: int = 0          # connections refused, 5xx before the first byte (counter)
+    discovered: bool = False   # found in the node registry (`router.discovery`), not given by --nodes
     last_error: str = field(default="", repr=False)
 
     @property
@@ -52,8 +53,9 @@ class Backend:
 
 
 class Backends:
-    def __init__(self, urls: list[str], probe_interval_s: float = 1.0) -> None:
-        if not urls:
+    def __init__(self, urls: list[str], probe_interval_s: float = 1.0, allow_empty: bool = False) -> None:
+        """`allow_empty`: nodes may all come later (`add`, from the node registry)."""
+        if not urls and not allow_empty:
             raise ValueError("the router needs at least one node URL")
         self.nodes = [Backend(u.rstrip("/")) for u in urls]
         self.probe_interval_s = probe_interval_s
@@ -84,6 +86,24 @@ class Backends:
         if self._session is not None:
             await self._session.close()
 
+    def find(self, url: str) -> Backend | None:
+        return next((b for b in self.nodes if b.url == url.rstrip("/")), None)
+
+    async def add(self, url: str, node_id: str = "") -> Backend:
+        """A node found after start: probed (health, load, cache size) before it is offered."""
+        node = Backend(url.rstrip("/"), node_id=node_id, discovered=True)
+        await self._probe(node)
+        await self._cache_size(node)
+        self.nodes.append(node)
+        log.info("node %s (%s) added", node.url, node_id or "no pool id")
+        return node
+
+    def remove(self, node: Backend) -> None:
+        """Offer `node` no more (its requests in flight finish where they are)."""
+        if node in self.nodes:
+            self.nodes.remove(node)
+            log.info("node %s (%s) removed", node.url, node.node_id or "no pool id")
+
     def mark_down(self, node: Backend, why: str) -> None:
         """A request to `node` failed before its first byte: out until a probe finds it healthy."""
         if node.up:
@@ -96,35 +116,38 @@ class Backends:
         """Every node's /kv_layout, waiting up to `timeout_s` for nodes still starting;
         LayoutError for a node that never answers or is not a kvpool engine node."""
         deadline = time.monotonic() + timeout_s
-        out = []
-        for node in self.nodes:
-            while True:
-                try:
-                    async with self.session.get(f"{node.url}/kv_layout",
-                                                timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 404:
-                            raise LayoutError(f"node {node.url} has no /kv_layout (not a kvpool engine node): "
-                                              "policy prefix needs kvpool nodes")
-                        if r.status == 200:
-                            out.append(await r.json())
-                            break
-                        why = f"HTTP {r.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-                    why = str(err) or type(err).__name__
-                if time.monotonic() > deadline:
-                    raise LayoutError(f"node {node.url} did not answer /kv_layout within {timeout_s:.0f} s ({why})")
-                await asyncio.sleep(0.5)
-        return out
+        return [await self.layout(node.url, deadline - time.monotonic()) for node in self.nodes]
+
+    async def layout(self, url: str, timeout_s: float) -> dict:
+        """One node's /kv_layout (see `layouts`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                async with self.session.get(f"{url}/kv_layout", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 404:
+                        raise LayoutError(f"node {url} has no /kv_layout (not a kvpool engine node): "
+                                          "policy prefix needs kvpool nodes")
+                    if r.status == 200:
+                        return await r.json()
+                    why = f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                why = str(err) or type(err).__name__
+            if time.monotonic() > deadline:
+                raise LayoutError(f"node {url} did not answer /kv_layout within {max(timeout_s, 0):.0f} s ({why})")
+            await asyncio.sleep(0.5)
 
     async def cache_sizes(self) -> None:
         """Each node's KV cache blocks (its /stats `kv_cache_blocks`; left 0 where unknown)."""
         for node in self.nodes:
-            try:
-                async with self.session.get(f"{node.url}/stats", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    if r.status == 200:
-                        node.cache_blocks = int((await r.json()).get("kv_cache_blocks", 0))
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                pass
+            await self._cache_size(node)
+
+    async def _cache_size(self, node: Backend) -> None:
+        try:
+            async with self.session.get(f"{node.url}/stats", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    node.cache_blocks = int((await r.json()).get("kv_cache_blocks", 0))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(n) for n in self.nodes))

@@ -10,7 +10,11 @@ from router.policy import POLICIES
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("router", help="OpenAI-compatible front door routing to engine nodes (prefix-aware)")
     p.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT to serve on")
-    p.add_argument("--nodes", required=True, help="the engine nodes' URLs, comma-separated (http://HOST:PORT,...)")
+    p.add_argument("--nodes", default="", help="the engine nodes' URLs, comma-separated (http://HOST:PORT,...)")
+    p.add_argument("--discover", action="store_true",
+                   help="also route to the nodes registered with --metaserver that announce an API URL, joining "
+                        "and leaving as they register and go (with no --nodes: only those)")
+    p.add_argument("--discover-interval", type=float, default=2.0, help="seconds between reads of the node registry")
     p.add_argument("--policy", choices=POLICIES, default="prefix")
     p.add_argument("--metaserver", default="",
                    help="HOST:PORT[,..] of the metadata service: policy prefix then reads the global index (a "
@@ -32,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "waits up to this long (s) for the other's first token, then hits the prefix (0 = never wait)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes of the nodes")
     p.add_argument("--startup-timeout", type=float, default=120.0,
-                   help="prefix: wait this long for every node's /kv_layout at start")
+                   help="prefix: wait this long for every node's /kv_layout at start (with --discover and no "
+                        "--nodes: for a first node to register)")
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -42,6 +47,17 @@ def _listen(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _node_urls(args: argparse.Namespace) -> list[str]:
+    urls = [u.strip() for u in args.nodes.split(",") if u.strip()]
+    if not urls and not args.discover:
+        raise ValueError("give the nodes: --nodes URL,.. or --discover (with --metaserver)")
+    if args.discover and not args.metaserver:
+        raise ValueError("--discover reads the node registry: it needs --metaserver HOST:PORT")
+    if args.discover_interval <= 0:
+        raise ValueError(f"--discover-interval must be > 0, got {args.discover_interval}")
+    return urls
+
+
 async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     from metaserver.client import MetaClient
     from metaserver.credentials import ClientSecurity
@@ -49,40 +65,53 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     from router.app import Router, build_app
     from router.backends import Backends, LayoutError
     from router.chain import PromptHasher
+    from router.discovery import Discovery, first_announced
     from router.policy import make_policy
 
-    backends = Backends([u.strip() for u in args.nodes.split(",") if u.strip()], args.probe_interval)
+    backends = Backends(_node_urls(args), args.probe_interval, allow_empty=args.discover)
     await backends.start()
-    hasher, view = None, None
+    client = None
+    if args.metaserver:
+        security = ClientSecurity.from_files(tls_ca_file=args.metaserver_tls_ca, tls_cert_file=args.metaserver_tls_cert,
+                                             tls_key_file=args.metaserver_tls_key, token_file=args.metaserver_token_file)
+        client = MetaClient(args.metaserver, security=security)
+    hasher, view, discovery, want = None, None, None, None
+
+    async def cleanup() -> None:
+        if discovery is not None:
+            await discovery.close()
+        await backends.close()
+        if view is not None:
+            view.close()
+        if client is not None:
+            client.close()
+
     try:
         if args.policy == "prefix":
             layouts = await backends.layouts(args.startup_timeout)
+            if not layouts:  # --discover alone: the first node to register fixes the layout
+                assert client is not None
+                first = await first_announced(client, args.startup_timeout)
+                layouts = [await backends.layout(first.api_url.rstrip("/"), args.startup_timeout)]
             hasher = PromptHasher(args.model, served_name=layouts[0]["model"])
             want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]))
-            for node, layout in zip(backends.nodes, layouts, strict=True):
+            for node, layout in zip(backends.nodes, layouts):
                 if layout["fingerprint"] != want:
                     raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
                                       f"prompts for {want!r} (--model {args.model}): it would never predict a hit")
                 node.node_id = layout.get("node_id", "")
             await backends.cache_sizes()
-            if args.metaserver:
-                security = ClientSecurity.from_files(tls_ca_file=args.metaserver_tls_ca,
-                                                     tls_cert_file=args.metaserver_tls_cert,
-                                                     tls_key_file=args.metaserver_tls_key,
-                                                     token_file=args.metaserver_token_file)
-                view = IndexView(MetaClient(args.metaserver, security=security), want)
+            if client is not None:
+                view = IndexView(client, want)
         policy = make_policy(args.policy, hasher.block_size if hasher else 0, view, args.load_weight, args.pull_value)
+        if args.discover:
+            assert client is not None
+            # A hashing router offers only nodes of its own layout: the registry's namespace is it.
+            discovery = Discovery(client, backends, policy, want, args.discover_interval)
+            await discovery.start()
     except BaseException:
-        await backends.close()
-        if view is not None:
-            view.close()
+        await cleanup()
         raise
-
-    async def cleanup() -> None:
-        await backends.close()
-        if view is not None:
-            view.close()
-
     return build_app(Router(backends, policy, hasher, prefix_wait_s=args.prefix_wait), cleanup)
 
 
@@ -94,13 +123,14 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         host, port = _listen(args.listen)
+        _node_urls(args)
         if args.prefix_wait < 0:
             raise ValueError(f"--prefix-wait must be >= 0, got {args.prefix_wait}")
         if args.load_weight < 0 or not 0 <= args.pull_value <= 1:
             raise ValueError(f"need --load-weight >= 0 and 0 <= --pull-value <= 1, got {args.load_weight}, "
                              f"{args.pull_value}")
         web.run_app(_build(args), host=host, port=port, print=None, handle_signals=True)
-    except (ValueError, LayoutError, ModelLoadError, OSError) as err:
+    except (ValueError, LayoutError, ModelLoadError, OSError, TimeoutError) as err:
         print(f"kvpool router: error: {err}", file=sys.stderr)
         return 2
     return 0

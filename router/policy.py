@@ -50,6 +50,9 @@ class Policy:
     def routed(self, node: Backend, chain: Chain | None) -> None:
         """The request with `chain` was sent to `node` (its prefix will be there)."""
 
+    def forget(self, node: Backend) -> None:
+        """`node` left (a node coming back under its URL starts with an empty cache)."""
+
     def _in_turn(self, nodes: Sequence[Backend]) -> Backend:
         return nodes[next(self._turn) % len(nodes)]
 
@@ -88,6 +91,9 @@ class RouteTable:
         cap = node.cache_blocks or self.default_capacity
         while len(held) > cap:
             held.popitem(last=False)
+
+    def forget(self, node: Backend) -> None:
+        self._held.pop(node.url, None)
 
     def prefix(self, node: Backend, hashes: Sequence[bytes]) -> int:
         """Leading blocks of `hashes` recorded for `node`."""
@@ -146,6 +152,9 @@ class Prefix(Policy):
     def routed(self, node: Backend, chain: Chain | None) -> None:
         if chain is not None:
             self.table.record(node, chain.hashes)
+
+    def forget(self, node: Backend) -> None:
+        self.table.forget(node)
 
 
 def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 32.0,

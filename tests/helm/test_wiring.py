@@ -121,6 +121,7 @@ def test_engine_command_line_parses_with_the_real_cli(files: tuple[str, ...]) ->
     extra = ktc.kv_connector_extra_config
     assert extra["metaserver"] == args.metaserver
     assert extra["node_id"] == ENGINE_POD
+    assert extra["api_url"] == f"http://{FAKE_POD_IP}:{values['port']}"  # announced for routers' --discover
     assert parse_size(extra["pool_size"]) == parse_size(values["poolSize"])
     assert extra["local_hostname"] == (values["kvTransferConfig"]["kv_connector_extra_config"]["local_hostname"]
                                        or FAKE_POD_IP)
@@ -477,6 +478,19 @@ def test_router_reaches_every_engine_pod_and_the_index(files: tuple[str, ...]) -
         assert not any("admin" in path for path in mounted)
     if values["security"]["tls"]["enabled"]:
         assert args.metaserver_tls_ca
+
+
+def test_a_discovering_router_reads_the_registry_the_engines_announce_in() -> None:
+    """router.discover: no --nodes; --discover with the metaserver Service (also for a policy
+    that does not read the index), where each engine announces http://POD_IP:PORT."""
+    for policy in ("prefix", "round-robin"):
+        r = render(("router-values.yaml",), sets=("router.discover=true", f"router.policy={policy}"))
+        args = build_parser().parse_args(container(r.find("Deployment", name("router")), "router")["args"])
+        ms = r.find("Service", name("metaserver"))
+        assert args.discover and args.nodes == "" and args.policy == policy
+        assert args.metaserver == f"{service_host(ms)}:{ms['spec']['ports'][0]['port']}"
+        engine = build_parser().parse_args(_engine_args(r))
+        assert engine.advertise_url == f"http://{FAKE_POD_IP}:{engine.port}"
 
 
 def test_router_is_off_by_default() -> None:

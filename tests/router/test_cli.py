@@ -102,8 +102,10 @@ def test_a_node_that_is_not_a_kvpool_engine_is_refused_for_prefix(good: dict) ->
 @pytest.mark.parametrize("args, message", [
     (("--listen", "nowhere"), "--listen takes HOST:PORT, got 'nowhere'"),
     (("--pull-value", "2"), "need --load-weight >= 0 and 0 <= --pull-value <= 1"),
+    (("--nodes", ""), "give the nodes: --nodes URL,.. or --discover (with --metaserver)"),
+    (("--discover",), "--discover reads the node registry: it needs --metaserver HOST:PORT"),
 ])
 def test_bad_flags_are_one_line_errors(args: tuple[str, ...], message: str) -> None:
-    proc = run_router("--nodes", "http://127.0.0.1:9", *args)
+    proc = run_router("--nodes", "http://127.0.0.1:9", *args)  # a later --nodes wins
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -29,17 +29,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
         nodes = [EngineProcess(run / f"n{i}.log", f"node-{i}", ms.address, pool_size="256MiB", extra_args=ENGINE_ARGS)
                  for i in range(2)]
-        router = None
+        routers: list[RouterProcess] = []
         try:
             for n in nodes:
                 n.start()
             for n in nodes:
                 n.wait_ready(300)
-            router = RouterProcess(run / "router.log", [n.url for n in nodes], "prefix", ms.address).start()
-            yield {"nodes": nodes, "router": router, "metaserver": ms}
+            routers.append(RouterProcess(run / "router.log", [n.url for n in nodes], "prefix", ms.address).start())
+            # No --nodes: it finds them in the metaserver's node registry (--discover).
+            routers.append(RouterProcess(run / "discover.log", [], "prefix", ms.address,
+                                         extra_args=("--discover-interval", "0.5")).start())
+            yield {"nodes": nodes, "router": routers[0], "discovering": routers[1], "metaserver": ms}
         finally:
-            if router is not None:
-                router.stop()
+            for r in routers:
+                r.stop()
             for n in nodes:
                 n.stop()
 
@@ -139,8 +142,28 @@ def test_stream_chunks_arrive_while_the_node_still_generates(cluster: dict) -> N
     assert rest.rstrip().endswith("data: [DONE]") and rest.count("data: {") >= 10
 
 
+def test_a_router_finds_the_nodes_in_the_registry(cluster: dict) -> None:
+    """A router started with --discover and no --nodes routes to both nodes, at the URLs they
+    announced when they registered (kvpool serve's default: http://HOST:PORT)."""
+    router, nodes = cluster["discovering"], cluster["nodes"]
+    with MetaClient(cluster["metaserver"].address) as client:
+        assert sorted(n.api_url for n, _ in client.list_nodes()) == sorted(n.url for n in nodes)
+    health = http_json(f"{router.url}/health")[1]
+    assert health["nodes"] == health["nodes_up"] == 2
+    # Its view of the nodes' queues is as of its last probe: wait until the last test's requests
+    # have left it (a node still counted busy would rightly get none of these).
+    wait_for(lambda: all(line.endswith(" 0") for line in urllib.request.urlopen(f"{router.url}/metrics").read()
+                         .decode().splitlines() if line.startswith("kvpool_router:node_queued{")),
+             timeout_s=30, interval_s=0.2)
+    # Prompts no node holds a block of (words() repeats itself every ten seeds): ties go in turn.
+    served = {post(router.url, "/v1/completions", {"prompt": f"registry probe {i}: {words(i, 30)}",
+                                                   "max_tokens": 2})[2] for i in range(4)}
+    assert served == {n.url for n in nodes}
+
+
 def test_a_killed_nodes_share_goes_to_the_other(cluster: dict) -> None:
-    """Runs last: SIGKILL one node; every request still succeeds, on the survivor."""
+    """Runs last: SIGKILL one node; every request still succeeds, on the survivor. The
+    discovering router drops the node once its lease has expired in the registry."""
     router, (a, b) = cluster["router"], cluster["nodes"]
     assert b.proc is not None
     b.proc.send_signal(signal.SIGKILL)
@@ -152,3 +175,6 @@ def test_a_killed_nodes_share_goes_to_the_other(cluster: dict) -> None:
     assert {n for _, _, n in results} == {a.url}
     health = http_json(f"{router.url}/health")[1]
     assert health["nodes_up"] == 1 and health["nodes"] == 2
+    discovering = cluster["discovering"]
+    wait_for(lambda: http_json(f"{discovering.url}/health")[1]["nodes"] == 1, timeout_s=60, interval_s=0.5)
+    assert post(discovering.url, "/v1/completions", prompts[0])[2] == a.url

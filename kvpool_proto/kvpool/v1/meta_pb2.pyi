@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest", "api_url")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class NodeInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    API_URL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -28,7 +29,8 @@ class NodeInfo(_message.Message):
     draining: bool
     num_blocks: int
     session_digest: bytes
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ...) -> None: ...
+    api_url: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ..., api_url: _Optional[str] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
     __slots__ = ("block_hash", "offset", "size_bytes", "generation")
@@ -43,20 +45,22 @@ class BlockRecord(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s", "api_url")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    API_URL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
     capacity_bytes: int
     layout_fingerprint: str
     lease_ttl_s: int
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ...) -> None: ...
+    api_url: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ..., api_url: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("lease_id", "lease_ttl_s", "session_token")
