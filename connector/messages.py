@@ -24,8 +24,19 @@ class SaveSpec:
     block_hashes: tuple[BlockHash, ...]     # their chained hashes (same order)
 
 
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """A finished request's full prompt blocks, handed to a remote decode (`connector.handoff`):
+    the worker half puts any not in the pool yet, then reports where each one is."""
+
+    request_id: str
+    block_ids: tuple[int, ...]              # its cache blocks from block 0 (held until the send is reported)
+    block_hashes: tuple[BlockHash, ...]
+
+
 @dataclass
 class PoolConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)   # reads to start this step
     saves: list[SaveSpec] = field(default_factory=list)   # blocks to copy into the pool after the step
     writes: list[int] = field(default_factory=list)       # cache blocks the step writes (saves of them must stop)
+    sends: list[SendSpec] = field(default_factory=list)   # finished requests handed to a remote decode

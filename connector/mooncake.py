@@ -57,7 +57,8 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
-        self.scheduler.start_lookup(request.request_id, request.block_hashes, request.num_tokens)
+        self.scheduler.start_lookup(request.request_id, request.block_hashes, request.num_tokens,
+                                    request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
@@ -87,8 +88,10 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        self.scheduler.forget(request.request_id)
-        return False, None
+        hold = self.scheduler.finish_request(request.request_id, request.kv_transfer_params, block_ids,
+                                             request.block_hashes, request.num_prompt_tokens,
+                                             request.num_computed_tokens)
+        return hold, None  # a send's params come with its report (get_kv_transfer_params)
 
     # ---- worker side ----------------------------------------------------------------
 
@@ -130,7 +133,11 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        return None, (self.worker.finished_loads() or None)
+        return (self.worker.finished_sends() or None), (self.worker.finished_loads() or None)
+
+    def get_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        assert self.worker is not None
+        return self.worker.take_sent_params()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

@@ -17,6 +17,12 @@ remote hit again (a host that sends it back to admission, as vLLM's `recompute` 
 does, would otherwise be offered the same failing blocks forever). Loads and saves
 accumulate until `build_meta()` hands them to the worker half.
 
+P/D (`connector.handoff`): a request that comes with a producer's transfer params takes its
+hit from them instead of a lookup (the blocks are read straight from the producer's slots);
+a producer's request asking for a remote decode keeps its blocks at its end
+(`finish_request`) while the worker half makes sure each full prompt block is in the pool
+and reports where (a send).
+
 Not thread-safe: the host's scheduler thread owns it.
 """
 from __future__ import annotations
@@ -26,8 +32,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from connector import handoff
 from connector.lookup import Lookups, LookupState
-from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
+from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec, SendSpec
 from connector.save_policy import SavePolicy
 from connector.settings import PoolConnectorSettings
 from metaserver.client import MetaClient
@@ -124,14 +131,32 @@ class PoolScheduler:
         self._load_failed: set[str] = set()             # requests offered no remote hit again
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
+        self._sends: list[SendSpec] = []
         self._writes: list[int] = []
+        self.handoff_loads = 0       # requests whose hit came from a producer's transfer params (counter)
+        self.handoff_sends = 0       # requests handed to a remote decode (counter)
+        self.handoff_bad_params = 0  # transfer params that could not be read (looked up instead; counter)
         self._save_policy = SavePolicy(settings.save_policy, settings.save_seen_blocks)
 
-    def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
-        """A request arrived: start looking its full blocks up now, off this thread."""
+    def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
+                     transfer_params: dict | None = None) -> None:
+        """A request arrived: start looking its full blocks up now, off this thread (or take
+        them from a producer's `transfer_params`)."""
         end = (num_tokens - 1) // self.block_size  # its last token is always computed
         if not self.consume or end <= 0:
             return
+        if handoff.is_remote_prefill(transfer_params):
+            assert transfer_params is not None
+            try:
+                locations, nodes = handoff.consumer_hit(transfer_params, self.fingerprint, block_hashes[:end])
+            except ValueError as err:
+                self.handoff_bad_params += 1
+                log.warning("%s: transfer params not used (%s); looking the prompt up instead", request_id, err)
+            else:
+                self.handoff_loads += 1
+                self.hit_blocks += len(locations)
+                self._hits[request_id] = _Hit(end, locations, nodes)
+                return
         res = self._view.query(block_hashes[:end]) if self._view is not None else None
         if res is not None:  # answered at once, on this thread, with no RPC
             self.view_answers += 1
@@ -227,10 +252,27 @@ class PoolScheduler:
                 self._saves.append(SaveSpec(request_id, tuple(block_table[first + i] for i in keep),
                                             tuple(BlockHash(block_hashes[first + i]) for i in keep)))
 
+    def finish_request(self, request_id: str, transfer_params: dict | None, block_table: Sequence[int],
+                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> bool:
+        """The request ended. True if its blocks must stay: it asks for a remote decode, so
+        the worker half sends its full prompt blocks (into the pool, then names them) first.
+        Only computed blocks are sent (a request aborted in its prefill has blocks allocated
+        whose KV was never written)."""
+        self.forget(request_id)
+        if not self.produce or not handoff.wants_remote_decode(transfer_params):
+            return False
+        n = min(min(num_prompt_tokens, num_computed_tokens) // self.block_size, len(block_hashes), len(block_table))
+        if n == 0:
+            return False
+        self.handoff_sends += 1
+        self._sends.append(SendSpec(request_id, tuple(block_table[:n]),
+                                    tuple(BlockHash(h) for h in block_hashes[:n])))
+        return True
+
     def build_meta(self) -> PoolConnectorMetadata:
-        """This step's loads and saves for the worker half; starts a new step."""
-        meta = PoolConnectorMetadata(self._loads, self._saves, self._writes)
-        self._loads, self._saves, self._writes = [], [], []
+        """This step's loads, saves and sends for the worker half; starts a new step."""
+        meta = PoolConnectorMetadata(self._loads, self._saves, self._writes, self._sends)
+        self._loads, self._saves, self._writes, self._sends = [], [], [], []
         return meta
 
     def forget(self, request_id: str) -> None:
@@ -247,6 +289,8 @@ class PoolScheduler:
             "lookup_view_answers": self.view_answers, "lookup_view_current": int(self._view.current()),
             "lookup_view_snapshots": self._view.snapshots, "lookup_view_resumes": self._view.resumes}
         return {"connector_hit_blocks": self.hit_blocks, "connector_saves_skipped": self._save_policy.skipped,
+                "connector_handoff_loads": self.handoff_loads, "connector_handoff_sends": self.handoff_sends,
+                "connector_handoff_bad_params": self.handoff_bad_params,
                 **self._lookups.counters(), **view, **self._avoid.counters()}
 
     def close(self) -> None:

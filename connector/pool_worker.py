@@ -13,8 +13,13 @@ newly computed full blocks into the pool on a saver thread (`connector.saver`), 
 host's step; `begin_step` fences the blocks a step writes before its forward pass. Their
 publication is batched and asynchronous.
 
-Not thread-safe: the host's worker thread owns it (the pool's own threads call back only
-into a `threading.Event`).
+Sends (P/D, `connector.handoff`): a finished request's full prompt blocks are put into the
+pool (behind the saves already queued, never dropped for being behind), and once the last
+one is in, the request is reported in `finished_sends()` with the transfer params naming
+where the pool holds them (`take_sent_params()`); until then the host holds its blocks.
+
+Not thread-safe: the host's worker thread owns it (the pool's own threads, and the saver
+thread at the end of a send, call back only into a `threading.Event` and a locked dict).
 """
 from __future__ import annotations
 
@@ -25,8 +30,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from connector import handoff
 from connector.cache_layout import CacheLayout
-from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec
+from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec, SendSpec
 from connector.saver import Saver
 from connector.settings import PoolConnectorSettings
 from kvpool.config import PoolConfig
@@ -41,6 +47,9 @@ class TransferStats:
     loaded_blocks: int = 0      # blocks delivered and validated
     failed_blocks: int = 0      # blocks whose load failed (recomputed)
     saved_blocks: int = 0       # new blocks put into the local pool
+    sent_blocks: int = 0        # blocks named to a remote decode (P/D sends)
+    loads: int = 0              # loads finished (delivered or failed)
+    load_seconds: float = 0.0   # their time from issue to finish, summed (the transfer's part of a TTFT)
 
 
 @dataclass(slots=True)
@@ -48,6 +57,7 @@ class _Load:
     spec: LoadSpec
     not_before: float                  # issue time (debug_load_delay_s after the start)
     handle: ReadHandle | None = None   # None until issued
+    issued_at: float = 0.0             # when the read was issued (monotonic)
 
 
 class PoolWorker:
@@ -79,6 +89,10 @@ class PoolWorker:
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
         self._progress = threading.Event()   # set by the pool's threads when a read batch finishes
+        self._sending: set[str] = set()      # sends whose blocks are not all in the pool yet
+        self._sent_lock = threading.Lock()
+        self._sent: dict[str, dict] = {}     # finished sends -> their transfer params (not reported yet)
+        self._reported: dict[str, dict] = {}  # reported by finished_sends, params not taken yet
 
     def register_cache(self, base_addr: int, nbytes: int, layout: CacheLayout) -> None:
         """The host's KV cache: `nbytes` at `base_addr` (registered once, as one region, as
@@ -115,6 +129,7 @@ class PoolWorker:
                 log.warning("load for %s rejected: %s", rid, err)
                 self._finish_load(rid, spec, failed=range(len(spec.block_ids)))
                 continue
+            load.issued_at = now
             log.debug("load %s: %d blocks issued", rid, len(spec.block_ids))
         return next_due
 
@@ -124,6 +139,10 @@ class PoolWorker:
         self._load_errors.update(bad)
         self.stats.failed_blocks += len(bad)
         self.stats.loaded_blocks += len(spec.block_ids) - len(bad)
+        load = self._loads[rid]
+        if load.issued_at:
+            self.stats.loads += 1
+            self.stats.load_seconds += time.monotonic() - load.issued_at
         self._recved.add(rid)
         del self._loads[rid]
 
@@ -143,7 +162,7 @@ class PoolWorker:
             now = time.monotonic()
             next_due = self._issue_due(now)
             self._collect()
-            if ids.isdisjoint(self._loads) or now >= deadline:
+            if (ids.isdisjoint(self._loads) and ids.isdisjoint(self._sending)) or now >= deadline:
                 return
             self._progress.wait(min(deadline, next_due or deadline) - now)
 
@@ -167,6 +186,7 @@ class PoolWorker:
         if self._saver is not None:
             self._saver.fence(itertools.chain(meta.writes, *(spec.block_ids for spec in meta.loads)))
         self.start_loads(meta.loads)
+        self.send(meta.sends)
 
     def save(self, saves: Sequence[SaveSpec]) -> None:
         """Copy the blocks into the pool: on the saver thread (`connector.saver`), or here
@@ -181,6 +201,51 @@ class PoolWorker:
             for b, h in zip(spec.block_ids, spec.block_hashes):
                 if self.pool.put(h, layout.payload(b), n):
                     self.stats.saved_blocks += 1
+
+    # ---- sends (P/D) ------------------------------------------------------------------
+
+    def send(self, sends: Sequence[SendSpec]) -> None:
+        """Put each send's blocks into the pool (those not there yet), then name them."""
+        assert self.pool is not None and self._layout is not None
+        layout = self._layout
+        for spec in sends:
+            self._sending.add(spec.request_id)
+            if self._saver is not None:
+                self._saver.enqueue(((b, h, layout.payload(b)) for b, h in zip(spec.block_ids, spec.block_hashes)),
+                                    force=True)
+                self._saver.after(lambda spec=spec: self._sent_now(spec))
+            else:
+                for b, h in zip(spec.block_ids, spec.block_hashes):
+                    if self.pool.put(h, layout.payload(b), self.block_bytes):
+                        self.stats.saved_blocks += 1
+                self._sent_now(spec)
+
+    def _sent_now(self, spec: SendSpec) -> None:
+        """Every block of `spec` was put (on the saver thread, or the host's): name where."""
+        pool = self.pool
+        if pool is None:
+            return
+        records = pool.locate(spec.block_hashes)
+        if len(records) < len(spec.block_hashes):
+            log.warning("%s: %d of %d prompt blocks could not be put into the pool; the decode node computes "
+                        "the rest", spec.request_id, len(spec.block_hashes) - len(records), len(spec.block_hashes))
+        with self._sent_lock:
+            self._sent[spec.request_id] = handoff.producer_params(pool.node_record(), records)
+            self.stats.sent_blocks += len(records)
+        self._progress.set()
+
+    def finished_sends(self) -> set[str]:
+        """Requests whose send finished since the last call (their params: `take_sent_params`)."""
+        with self._sent_lock:
+            done = self._sending.intersection(self._sent)
+            self._reported.update((rid, self._sent.pop(rid)) for rid in done)
+        self._sending -= done
+        return done
+
+    def take_sent_params(self) -> dict[str, dict]:
+        """The transfer params of the sends `finished_sends` reported since the last call."""
+        reported, self._reported = self._reported, {}
+        return reported
 
     # ---- lifecycle ------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ blocks are dropped (counted), and a copy of one of them in progress is waited fo
 copy only). The host's step never waits for anything else.
 
 Throttling: at most `max_pending` blocks wait; a save beyond that is dropped (counted), never
-waited for: the pool may miss a block, decode never stalls on it.
+waited for: the pool may miss a block, decode never stalls on it. Saves queued with `force`
+(a P/D send: a few blocks the host holds for it) are never dropped for that. `after(fn)`
+queues a call that runs on the copier once every save queued before it is done.
 
 Thread-safe: one condition guards the queue and the block being copied.
 """
@@ -45,6 +47,7 @@ class _Save:
     block_id: int           # the host's cache block (what a fence names)
     block_hash: bytes
     payload: Payload        # where the block's bytes are in the cache
+    then: Callable[[], None] | None = None   # a marker (`after`): call this instead of saving
 
 
 class Saver:
@@ -63,15 +66,22 @@ class Saver:
 
     # ---- the host's side ------------------------------------------------------------
 
-    def enqueue(self, saves: Iterable[tuple[int, bytes, Payload]]) -> None:
-        """Queue (block id, hash, payload) saves; those beyond `max_pending` are dropped."""
+    def enqueue(self, saves: Iterable[tuple[int, bytes, Payload]], force: bool = False) -> None:
+        """Queue (block id, hash, payload) saves; those beyond `max_pending` are dropped
+        (unless `force`)."""
         with self._cond:
             for block_id, h, payload in saves:
-                if len(self._queue) >= self.max_pending:
+                if len(self._queue) >= self.max_pending and not force:
                     self.stats.saves_dropped_behind += 1
                     continue
                 self._queue.append(_Save(block_id, h, payload))
                 self.stats.saves_queued += 1
+            self._cond.notify_all()
+
+    def after(self, then: Callable[[], None]) -> None:
+        """Call `then` on the copier thread once every save queued so far is done."""
+        with self._cond:
+            self._queue.append(_Save(-1, b"", 0, then))
             self._cond.notify_all()
 
     def fence(self, block_ids: Iterable[int]) -> None:
@@ -81,7 +91,7 @@ class Saver:
             return
         with self._cond:
             if self._queue:
-                kept = deque(s for s in self._queue if s.block_id not in ids)
+                kept = deque(s for s in self._queue if s.then is not None or s.block_id not in ids)
                 self.stats.saves_dropped_reused += len(self._queue) - len(kept)
                 self._queue = kept
             if self._copying in ids:
@@ -114,7 +124,13 @@ class Saver:
                 if self._stop:
                     return
                 save = self._queue.popleft()
-                self._copying = save.block_id
+                self._copying = save.block_id if save.then is None else None
+            if save.then is not None:
+                try:
+                    save.then()
+                except Exception:  # noqa: BLE001 - the copier goes on
+                    log.exception("a call queued after the saves failed")
+                continue
             try:
                 new = self._put(save.block_hash, save.payload, self._block_bytes)
             except Exception:  # noqa: BLE001 - a failed save loses one block; the copier goes on

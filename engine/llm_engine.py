@@ -115,8 +115,9 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None) -> Request:
-        """Validate and queue a request. Raises EngineError for one that cannot be served."""
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> Request:
+        """Validate and queue a request. Raises EngineError for one that cannot be served.
+        `kv_transfer_params` go to the KV connector as they are (P/D, `connector.handoff`)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise EngineError("the prompt is empty")
@@ -128,7 +129,8 @@ class LLMEngine:
         blocks_needed = -(-(len(ids) + 1) // self.config.block_size)
         if blocks_needed > self.block_pool.num_blocks:
             raise EngineError(f"the prompt needs {blocks_needed} KV blocks; the cache has {self.block_pool.num_blocks}")
-        req = Request(request_id or f"req-{next(self._ids)}", ids, params, cache_salt=cache_salt)
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, cache_salt=cache_salt,
+                      kv_transfer_params=kv_transfer_params)
         self.scheduler.add_request(req)
         return req
 

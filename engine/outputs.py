@@ -21,6 +21,7 @@ class RequestOutput:
     num_external_tokens: int                 # prompt tokens loaded from the pool
     ttft_s: float | None                     # arrival -> first token
     error: str | None = None
+    kv_transfer_params: dict | None = None   # the connector's, for the client (P/D: what a decode node loads)
 
 
 def check_stop(req: Request, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> RequestStatus | None:
@@ -57,4 +58,5 @@ def make_output(req: Request) -> RequestOutput:
         text=req.output_text, finished=finished, finish_reason=req.status.value if finished else None,
         stop_reason=req.stop_reason, logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None
         else None, num_cached_tokens=max(req.num_cached_tokens, 0), num_external_tokens=req.num_external_tokens,
-        ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None, error=req.error)
+        ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None, error=req.error,
+        kv_transfer_params=req.kv_transfer_params_out if finished else None)

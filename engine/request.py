@@ -58,6 +58,11 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
+    # The client's `kv_transfer_params` (vLLM's P/D field): {"do_remote_decode": true} asks a
+    # producer to hand the prompt's KV to a decode node; a consumer gets {"do_remote_prefill":
+    # true, ...} naming the blocks to load. The connector reads them; the engine only carries them.
+    kv_transfer_params: dict | None = None
+    kv_transfer_params_out: dict | None = None   # what the connector hands back (the answer's field)
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -89,6 +89,7 @@ class ModelRunner:
     @staticmethod
     def _connector_report(c: KVConnectorBase_V1, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
         sending, recving = c.get_finished(set(finished_req_ids))
-        report = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors())
+        report = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors(),
+                                   c.get_kv_transfer_params() if sending else {})
         c.clear_connector_metadata()
         return report

@@ -42,6 +42,9 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)   # requests whose blocks it no longer reads
     finished_recving: set[str] = field(default_factory=set)   # requests whose load finished
     invalid_block_ids: set[int] = field(default_factory=set)  # cache blocks whose load failed
+    # (ours) the transfer params of requests in finished_sending, for their answers: a P/D
+    # producer names the blocks only once they are in its pool (see KVConnectorBase_V1).
+    kv_transfer_params: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
-from metaserver.types import BlockHash, BlockLocation, BlockRecord, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,24 @@ class NodePool:
         with self._lock:
             slot = self._lru.get(rec.block_hash)
             return slot is not None and slot.generation == rec.generation
+
+    def locate(self, hashes: Sequence[bytes]) -> list[BlockRecord]:
+        """Where this pool holds the leading blocks of `hashes` (up to the first it does
+        not hold), as records to read them by; each is marked recently used."""
+        out = []
+        with self._lock:
+            for h in hashes:
+                slot = self._lru.get(BlockHash(h))
+                if slot is None:
+                    break
+                self._lru.move_to_end(slot.block_hash)
+                out.append(self._record(slot))
+        return out
+
+    def node_record(self) -> NodeRecord:
+        """This node as a reader needs it (no lease: not from the registry)."""
+        return NodeRecord(self.node_id, self.te.session_id, self.buffer_address, self.capacity_bytes,
+                          Namespace(self.config.layout_fingerprint), 0, 0)
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:

@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--metaserver", default="", help="metaserver HOST:PORT[,HOST:PORT] (for --kv-connector mooncake)")
     k.add_argument("--pool-size", default="", help="this node's DRAM pool, e.g. 4GiB (default 1GiB)")
     k.add_argument("--node-id", default="", help="this node's stable id in the pool (default: host-pid)")
+    k.add_argument("--kv-role", choices=("producer", "consumer", "both"), default="",
+                   help="P/D role (vLLM's kv_producer / kv_consumer / kv_both): a producer saves what it computes "
+                        "and hands prompts to decode nodes, a consumer loads and does not save; default both")
     k.add_argument("--kv-transfer-config", default="",
                    help='JSON as vLLM\'s flag: {"kv_connector": "mooncake", "kv_role": "kv_both", '
                         '"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}')
@@ -76,8 +79,8 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     from engine.kv_connector.config import KVTransferConfig
 
     if not (args.kv_connector or args.kv_transfer_config):
-        if args.metaserver or args.pool_size or args.node_id:
-            raise ValueError("--metaserver, --pool-size and --node-id need --kv-connector")
+        if args.metaserver or args.pool_size or args.node_id or args.kv_role:
+            raise ValueError("--metaserver, --pool-size, --node-id and --kv-role need --kv-connector")
         return None
     base = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config else None
     extra = dict(base.kv_connector_extra_config) if base else {}
@@ -96,6 +99,8 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
         parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,
               "kv_load_timeout_s": base.kv_load_timeout_s, "kv_load_wait_s": base.kv_load_wait_s} if base else {}
+    if args.kv_role:
+        fields["kv_role"] = f"kv_{args.kv_role}"
     return KVTransferConfig(kv_connector=args.kv_connector or (base.kv_connector if base else ""),
                             kv_connector_extra_config=extra, **fields)
 

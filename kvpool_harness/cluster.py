@@ -44,6 +44,9 @@ class ClusterSpec:
     engine_args: tuple[str, ...] = ()
     kv_transfer_config: dict | None = None
     router: str = ""                 # a `kvpool router` in front, with this policy ("" = none)
+    # (prefill, decode): that many producer and consumer nodes (instead of `nodes`) behind a
+    # `kvpool router --pd` (policy `router`, default prefix).
+    pd: tuple[int, int] | None = None
     ready_timeout_s: float = 300.0
     # Nodes share this machine's cores: OpenMP threads that spin after their work would
     # steal the CPU from the node that computes next. Real nodes have their own machines.
@@ -54,6 +57,8 @@ class LocalCluster:
     def __init__(self, run_dir: Path, spec: ClusterSpec) -> None:
         if spec.nodes < 1:
             raise ValueError("a cluster needs at least one node")
+        if spec.pd is not None and (min(spec.pd) < 1 or not spec.connector or spec.engine != "kvpool"):
+            raise ValueError("P/D needs at least one prefill and one decode node, the pool, and kvpool nodes")
         self.run_dir = Path(run_dir)
         self.spec = spec
         self.etcd: EtcdProcess | None = None
@@ -69,12 +74,23 @@ class LocalCluster:
                 self.etcd = EtcdProcess(self.run_dir / "etcd").start()
                 self.metaserver = MetaserverProcess(self.etcd.endpoint, self.run_dir / "metaserver.log").start()
             addr = self.metaserver.address if self.metaserver else ""
-            self.nodes = [self._node(i, addr) for i in range(self.spec.nodes)]
+            if self.spec.pd is not None:
+                pre, dec = self.spec.pd
+                self.nodes = [self._node(i, addr, "prefill") for i in range(pre)] + \
+                    [self._node(i, addr, "decode") for i in range(dec)]
+            else:
+                self.nodes = [self._node(i, addr) for i in range(self.spec.nodes)]
             for n in self.nodes:  # load the models in parallel
                 n.start()
             for n in self.nodes:
                 n.wait_ready(self.spec.ready_timeout_s)
-            if self.spec.router:
+            if self.spec.pd is not None:
+                urls = {role: [n.url for n in self.nodes if n.node_id.startswith(role)] for role in ("prefill", "decode")}
+                self.router = RouterProcess(self.run_dir / "router.log", [], self.spec.router or "prefix", addr,
+                                            extra_args=("--model", self.spec.model), prefill=urls["prefill"],
+                                            decode=urls["decode"])
+                self.router.start(self.spec.ready_timeout_s)
+            elif self.spec.router:
                 self.router = RouterProcess(self.run_dir / "router.log", [n.url for n in self.nodes],
                                             self.spec.router, addr, extra_args=("--model", self.spec.model))
                 self.router.start(self.spec.ready_timeout_s)
@@ -84,13 +100,17 @@ class LocalCluster:
         self._write_state()
         return self
 
-    def _node(self, i: int, metaserver: str) -> EngineProcess | VllmProcess:
-        log, name = self.run_dir / f"node-{i}.log", f"node-{i}"
+    def _node(self, i: int, metaserver: str, role: str = "") -> EngineProcess | VllmProcess:
+        """Node `i` (of its P/D `role`: prefill = producer, decode = consumer)."""
+        name = f"{role or 'node'}-{i}"
+        log = self.run_dir / f"{name}.log"
         if self.spec.engine == "vllm":
             return VllmProcess(log, export_model(model=self.spec.model), name, metaserver,
                                cpus=str(i % (os.cpu_count() or 1)), pool_size=self.spec.pool_size)
+        kv_role = {"prefill": ("--kv-role", "producer"), "decode": ("--kv-role", "consumer")}.get(role, ())
         return EngineProcess(log, name, metaserver, model=self.spec.model, pool_size=self.spec.pool_size,
-                             extra_args=self.spec.engine_args, kv_transfer_config=self.spec.kv_transfer_config,
+                             extra_args=(*self.spec.engine_args, *kv_role),
+                             kv_transfer_config=self.spec.kv_transfer_config,
                              env=self.spec.node_env)
 
     def down(self) -> None:
@@ -143,6 +163,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--router", nargs="?", const="prefix", default="",
                     choices=POLICIES,
                     help="also start `kvpool router` in front of the nodes (policy; default prefix)")
+    up.add_argument("--pd", default="", metavar="P:D",
+                    help="prefill/decode: P producer and D consumer nodes (instead of --nodes) behind `kvpool "
+                         "router --pd` (its prefill policy: --router, default prefix)")
     for name in ("status", "down"):
         c = cmds.add_parser(name)
         c.add_argument("--run-dir", default="runs/cluster")
@@ -203,6 +226,15 @@ def _down(run_dir: Path) -> int:
     return 0
 
 
+def _pd(value: str) -> tuple[int, int] | None:
+    if not value:
+        return None
+    pre, sep, dec = value.partition(":")
+    if not sep or not pre.isdigit() or not dec.isdigit() or min(int(pre), int(dec)) < 1:
+        raise ValueError(f"--pd takes P:D (prefill and decode node counts, each >= 1), got {value!r}")
+    return int(pre), int(dec)
+
+
 def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if args.cluster_cmd == "status":
@@ -213,10 +245,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpool cluster: error: a cluster already runs in {run_dir}; `kvpool cluster down` first",
               file=sys.stderr)
         return 1
-    spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
-                       pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
-                       router=args.router)
     try:
+        spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
+                           pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
+                           router=args.router, pd=_pd(args.pd))
         cluster = LocalCluster(run_dir, spec).up()
     except (RuntimeError, ValueError) as err:
         print(f"kvpool cluster: error: {err}", file=sys.stderr)
@@ -226,6 +258,7 @@ def main(args: argparse.Namespace) -> int:
     if cluster.metaserver is not None:
         print(f"metaserver: {cluster.metaserver.address}")
     if cluster.router is not None:
-        print(f"router ({args.router}): {cluster.router.url} (pid {cluster.router.pid}, log {cluster.router.log_path})")
+        kind = f"P/D, prefill policy {spec.router or 'prefix'}" if spec.pd else args.router
+        print(f"router ({kind}): {cluster.router.url} (pid {cluster.router.pid}, log {cluster.router.log_path})")
     print(f"stop with: kvpool cluster down --run-dir {run_dir}")
     return 0

@@ -12,9 +12,12 @@ from kvpool_harness.processes import ChildProcess, free_port
 
 class RouterProcess(ChildProcess):
     def __init__(self, log_path: Path, nodes: list[str], policy: str = "prefix", metaserver: str = "",
-                 port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 port: int | None = None, extra_args: tuple[str, ...] = (), prefill: list[str] | None = None,
+                 decode: list[str] | None = None) -> None:
+        """`nodes` empty: --discover; `prefill` and `decode` given: --pd with them."""
         super().__init__(log_path)
         self.nodes = nodes
+        self.prefill, self.decode = prefill or [], decode or []
         self.policy = policy
         self.metaserver = metaserver
         self.port = port or free_port()
@@ -26,7 +29,10 @@ class RouterProcess(ChildProcess):
 
     def command(self) -> list[str]:
         args = ["router", "--listen", f"127.0.0.1:{self.port}", "--policy", self.policy, *self.extra_args]
-        args += ["--nodes", ",".join(self.nodes)] if self.nodes else ["--discover"]  # none: the node registry's
+        if self.prefill:
+            args += ["--pd", "--prefill", ",".join(self.prefill), "--decode", ",".join(self.decode)]
+        else:
+            args += ["--nodes", ",".join(self.nodes)] if self.nodes else ["--discover"]  # none: the node registry's
         return args + (["--metaserver", self.metaserver] if self.metaserver else [])
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:

@@ -67,27 +67,32 @@ class Router:
         self.requests += 1
         # Tokenizing a long prompt takes milliseconds: off the event loop, which streams for everyone.
         chain = await asyncio.to_thread(self._chain, body, chat) if self.policy.name == "prefix" else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        return await self._send(request, body, _headers(request), chain, self.backends, self.policy)
+
+    async def _send(self, request: web.Request, body: bytes, headers: dict[str, str], chain: Chain | None,
+                    backends: Backends, policy: Policy) -> web.StreamResponse:
+        """Send the request to the node `policy` picks among `backends` and pass its answer on;
+        the next choice while a node fails before its first byte; 503 when none is left."""
         tried: set[str] = set()
         last = "no node is up"
         while True:
-            nodes = [n for n in self.backends.up() if n.url not in tried]
+            nodes = [n for n in backends.up() if n.url not in tried]
             if not nodes:
                 self.errors += 1
                 return _error(503, f"no node could take the request ({last})", "server_error")
-            choice = self.policy.choose(nodes, chain)
+            choice = policy.choose(nodes, chain)
             node = choice.node
             if tried:
                 self.retries += 1
             tried.add(node.url)
             node.in_flight += 1
             node.prefilling += choice.compute_tokens
-            mine = self._hold(node, chain)
+            mine = self._hold(node, chain, policy)
             progress = _Progress(mine[1].set if mine is not None else None)
             try:
                 if mine is not None:
                     await self._wait_for_shared_prefix(node, chain, mine)
-                resp = await self._forward(request, node, body, headers, chain, choice, progress)
+                resp = await self._forward(request, node, body, headers, backends, choice, progress)
             except _NotAccepted as err:
                 last = f"{node.url}: {err}"
                 continue
@@ -100,13 +105,14 @@ class Router:
                 self._release(node, mine)
             return resp
 
-    def _hold(self, node: Backend, chain: Chain | None) -> tuple[tuple[bytes, ...], asyncio.Event] | None:
+    def _hold(self, node: Backend, chain: Chain | None,
+              policy: Policy) -> tuple[tuple[bytes, ...], asyncio.Event] | None:
         """Note that a request with `chain` is in its prefill on `node` (until `_release`)."""
         if chain is None or not chain.hashes:
             return None
         entry = (chain.hashes, asyncio.Event())
         self._prefilling.setdefault(node.url, []).append(entry)
-        self.policy.routed(node, chain)  # the prefix will be there: later requests predict the hit
+        policy.routed(node, chain)  # the prefix will be there: later requests predict the hit
         return entry
 
     def _release(self, node: Backend, entry: tuple[tuple[bytes, ...], asyncio.Event] | None) -> None:
@@ -142,14 +148,14 @@ class Router:
             pass
 
     async def _forward(self, request: web.Request, node: Backend, body: bytes, headers: dict[str, str],
-                       chain: Chain | None, choice: Choice, progress: _Progress) -> web.StreamResponse:
+                       backends: Backends, choice: Choice, progress: _Progress) -> web.StreamResponse:
         """Send to `node` and pass its answer on; _NotAccepted if nothing was sent back yet
         and another node should try. The first byte back moves the request from the node's
         prefilling to its decoding count (`progress.started`)."""
         try:
-            upstream = await self.backends.session.post(f"{node.url}{request.path}", data=body, headers=headers)
+            upstream = await backends.session.post(f"{node.url}{request.path}", data=body, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            self.backends.mark_down(node, str(err) or type(err).__name__)
+            backends.mark_down(node, str(err) or type(err).__name__)
             raise _NotAccepted(str(err) or type(err).__name__) from None
         async with upstream:
             if upstream.status >= 500:
@@ -157,7 +163,7 @@ class Router:
                 if upstream.status == 503:
                     node.failures += 1  # overloaded or failing: skip it for this request only
                 else:
-                    self.backends.mark_down(node, why)
+                    backends.mark_down(node, why)
                 raise _NotAccepted(why)
             resp = web.StreamResponse(status=upstream.status,
                                       headers={**{k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP},
@@ -179,10 +185,10 @@ class Router:
                 return resp
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                 if not started:
-                    self.backends.mark_down(node, str(err) or type(err).__name__)
+                    backends.mark_down(node, str(err) or type(err).__name__)
                     raise _NotAccepted(str(err) or type(err).__name__) from None
                 log.warning("node %s failed mid-answer: %s", node.url, err)
-                self.backends.mark_down(node, f"failed mid-answer: {err}")
+                backends.mark_down(node, f"failed mid-answer: {err}")
                 event = {"error": {"message": f"the node serving this request failed: {err}", "type": "server_error"}}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             if not started:  # an empty body
@@ -190,6 +196,13 @@ class Router:
                 node.requests += 1
             await resp.write_eof()
             return resp
+
+    def extra_metrics(self, prefix: str) -> list[str]:
+        return []
+
+    def groups(self) -> list[tuple[str, Backends, Policy]]:
+        """The node groups, each with its extra metric label and policy."""
+        return [("", self.backends, self.policy)]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, chat=False)
@@ -228,11 +241,18 @@ class Router:
                     ("node_queued", "gauge", lambda b: b.queued))
         for name, kind, get in per_node:
             lines.append(f"# TYPE {p}{name} {kind}")
-            lines += [f'{p}{name}{{node="{b.url}",policy="{self.policy.name}"}} {get(b)}' for b in self.backends.nodes]
+            lines += [f'{p}{name}{{node="{b.url}",policy="{policy.name}"{role}}} {get(b)}'
+                      for role, backends, policy in self.groups() for b in backends.nodes]
+        lines += self.extra_metrics(p)
         view_answers = getattr(self.policy, "view_answers", None)
         if view_answers is not None:
             lines += [f"# TYPE {p}index_answers_total counter", f"{p}index_answers_total {view_answers}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def _headers(request: web.Request) -> dict[str, str]:
+    """The client's headers a node gets: its API key and the body's type."""
+    return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
 
 
 class _Progress:

@@ -26,6 +26,16 @@ log = logging.getLogger(__name__)
 _QUEUE = re.compile(r"^(?:kvpool|vllm):num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a background loop and wait until it is gone."""
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
 class LayoutError(Exception):
     """A node's KV layout differs from the router's (or the other nodes'); one line."""
 
@@ -77,12 +87,7 @@ class Backends:
         self._task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)
         if self._session is not None:
             await self._session.close()
 

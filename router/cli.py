@@ -15,6 +15,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="also route to the nodes registered with --metaserver that announce an API URL, joining "
                         "and leaving as they register and go (with no --nodes: only those)")
     p.add_argument("--discover-interval", type=float, default=2.0, help="seconds between reads of the node registry")
+    p.add_argument("--pd", action="store_true",
+                   help="prefill/decode disaggregation: each request is prefilled on a --prefill node (chosen by "
+                        "--policy), which hands its KV over through the pool, then decoded on the least loaded "
+                        "--decode node")
+    p.add_argument("--prefill", default="", help="--pd: the prefill (producer) nodes' URLs, comma-separated")
+    p.add_argument("--decode", default="", help="--pd: the decode (consumer) nodes' URLs, comma-separated")
     p.add_argument("--policy", choices=POLICIES, default="prefix")
     p.add_argument("--metaserver", default="",
                    help="HOST:PORT[,..] of the metadata service: policy prefix then reads the global index (a "
@@ -47,8 +53,21 @@ def _listen(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _urls(value: str) -> list[str]:
+    return [u.strip() for u in value.split(",") if u.strip()]
+
+
 def _node_urls(args: argparse.Namespace) -> list[str]:
-    urls = [u.strip() for u in args.nodes.split(",") if u.strip()]
+    """The --nodes (checked with the flags that go with them; for --pd: none)."""
+    if args.pd:
+        if args.nodes or args.discover:
+            raise ValueError("--pd takes --prefill URL,.. and --decode URL,.. (not --nodes or --discover)")
+        if not _urls(args.prefill) or not _urls(args.decode):
+            raise ValueError("--pd needs --prefill URL,.. and --decode URL,..")
+        return []
+    if args.prefill or args.decode:
+        raise ValueError("--prefill and --decode go with --pd")
+    urls = _urls(args.nodes)
     if not urls and not args.discover:
         raise ValueError("give the nodes: --nodes URL,.. or --discover (with --metaserver)")
     if args.discover and not args.metaserver:
@@ -66,10 +85,18 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     from router.backends import Backends, LayoutError
     from router.chain import PromptHasher
     from router.discovery import Discovery, first_announced
+    from router.pd import PDRouter
     from router.policy import make_policy
 
-    backends = Backends(_node_urls(args), args.probe_interval, allow_empty=args.discover)
-    await backends.start()
+    if args.pd:
+        backends = Backends(_urls(args.decode), args.probe_interval)
+        prefill: Backends | None = Backends(_urls(args.prefill), args.probe_interval)
+        groups = [prefill, backends]
+    else:
+        backends, prefill = Backends(_node_urls(args), args.probe_interval, allow_empty=args.discover), None
+        groups = [backends]
+    for g in groups:
+        await g.start()
     client = None
     if args.metaserver:
         security = ClientSecurity.from_files(tls_ca_file=args.metaserver_tls_ca, tls_cert_file=args.metaserver_tls_cert,
@@ -80,29 +107,33 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     async def cleanup() -> None:
         if discovery is not None:
             await discovery.close()
-        await backends.close()
+        for g in groups:
+            await g.close()
         if view is not None:
             view.close()
         if client is not None:
             client.close()
 
     try:
-        if args.policy == "prefix":
-            layouts = await backends.layouts(args.startup_timeout)
+        if args.policy == "prefix" or args.pd:  # P/D: the KV handed over must fit every node's cache
+            layouts = [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
             if not layouts:  # --discover alone: the first node to register fixes the layout
                 assert client is not None
                 first = await first_announced(client, args.startup_timeout)
                 layouts = [await backends.layout(first.api_url.rstrip("/"), args.startup_timeout)]
             hasher = PromptHasher(args.model, served_name=layouts[0]["model"])
             want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]))
-            for node, layout in zip(backends.nodes, layouts):
+            for node, layout in zip([n for g in groups for n in g.nodes], layouts):
                 if layout["fingerprint"] != want:
                     raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
                                       f"prompts for {want!r} (--model {args.model}): it would never predict a hit")
                 node.node_id = layout.get("node_id", "")
-            await backends.cache_sizes()
-            if client is not None:
+            for g in groups:
+                await g.cache_sizes()
+            if client is not None and args.policy == "prefix":
                 view = IndexView(client, want)
+            if args.policy != "prefix":
+                hasher = None
         policy = make_policy(args.policy, hasher.block_size if hasher else 0, view, args.load_weight, args.pull_value)
         if args.discover:
             assert client is not None
@@ -112,6 +143,8 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     except BaseException:
         await cleanup()
         raise
+    if prefill is not None:
+        return build_app(PDRouter(prefill, backends, policy, hasher, prefix_wait_s=args.prefix_wait), cleanup)
     return build_app(Router(backends, policy, hasher, prefix_wait_s=args.prefix_wait), cleanup)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from metaserver.client import MetaClient, MetaError
 from metaserver.types import NodeRecord
-from router.backends import Backends
+from router.backends import Backends, stop_task
 from router.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,4 @@ class Discovery:
             await self.refresh()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._task)

@@ -25,6 +25,9 @@ Scheduler side (runs in the scheduler, decides):
     request_finished(request, block_ids) -> (bool, dict | None)
         True = the connector still uses the blocks (the scheduler frees them only when
         `get_finished` reports the request in its sending set); plus kv_transfer_params.
+        (ours) A request whose `kv_transfer_params` ask for a remote decode and whose blocks
+        are held answers only when the send finished, with the params the worker side
+        reports then (`get_kv_transfer_params`) if any, else these.
 
 Worker side (runs next to the model and its KV cache, moves bytes):
     register_kv_caches(kv_caches)        the paged cache tensors, by name
@@ -37,6 +40,7 @@ Worker side (runs next to the model and its KV cache, moves bytes):
     get_finished(finished_req_ids) -> (sending, recving)   request ids done since the last call
     get_block_ids_with_load_errors() -> set[int]           block ids whose load failed
     get_kv_connector_stats() -> dict                       counters (vLLM returns KVConnectorStats)
+    get_kv_transfer_params() -> dict[str, dict]            (ours) params of sends finished since the last call
     shutdown()
 
 Class attribute `cache_header_bytes`: room the connector needs before each block's payload
@@ -135,6 +139,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (their KV must be recomputed)."""
         return set()
+
+    def get_kv_transfer_params(self) -> dict[str, dict[str, Any]]:
+        """(ours) kv_transfer_params of the requests whose send finished since the last call,
+        by request id (reported with them in `finished_sending`). Default: none."""
+        return {}
 
     def get_kv_connector_stats(self) -> dict[str, float]:
         """Counters for the engine's /stats and /metrics (names are the connector's)."""

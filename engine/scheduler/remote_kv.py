@@ -7,6 +7,11 @@ failed to load on (recomputed; or the request fails under the `fail` policy). A 
 still loading when it ends keeps its blocks until its load has reported, so no late write
 lands in a block another request owns. Loads hold no running slot and are not preempted.
 
+Sends (P/D): a request whose `kv_transfer_params` ask for a remote decode and whose blocks
+the connector holds at its end answers only once the connector reports its send finished
+(its KV is where a decode node can read it), with the params reported then; past
+`load_timeout_s` it answers without them (a decode node then computes the prompt itself).
+
 Not thread-safe: owned by the scheduler, on the engine loop.
 """
 from __future__ import annotations
@@ -45,6 +50,8 @@ class RemoteKV:
         self._started: dict[str, float] = {}      # request id -> load start, while in flight or unclaimed
         self._reported: set[str] = set()          # loads the worker side reported, not yet claimed
         self._invalid_block_ids: set[int] = set()
+        self._sending: dict[str, tuple[Request, float]] = {}  # answers held for their send: id -> (req, since)
+        self._sent: list[Request] = []            # sends finished (or given up): to answer now
         self.remote_hit_tokens = 0                # prompt tokens loaded (counter)
         self.failed_load_blocks = 0               # blocks whose load failed (counter)
 
@@ -54,7 +61,26 @@ class RemoteKV:
         return len(self._started)
 
     def loading_ids(self) -> frozenset[str]:
-        return frozenset(self._started)
+        """Requests the worker side is still busy with: loads in flight and held sends."""
+        return frozenset(self._started) | frozenset(self._sending)
+
+    @property
+    def num_sending(self) -> int:
+        """Finished requests whose answer waits for their send."""
+        return len(self._sending)
+
+    def take_sent(self) -> list[Request]:
+        """Requests whose held answer may go out now (send finished or timed out)."""
+        now = time.monotonic()
+        for rid, (req, since) in list(self._sending.items()):
+            if now - since > self.load_timeout_s:
+                log.warning("%s: its KV was not sent within %g s; answering without transfer params", rid,
+                            self.load_timeout_s)
+                req.kv_transfer_params_out = None
+                del self._sending[rid]
+                self._sent.append(req)
+        sent, self._sent = self._sent, []
+        return sent
 
     def lookup(self, req: Request, record: bool) -> tuple[list[KVBlock], int, int | None]:
         """The local prefix hit (blocks, tokens) and the connector's external hit after it in
@@ -124,16 +150,29 @@ class RemoteKV:
                 self._release(rid)
         for rid in output.finished_sending:
             self._release(rid)
+            held = self._sending.pop(rid, None)
+            if held is not None:
+                req = held[0]
+                req.kv_transfer_params_out = output.kv_transfer_params.get(rid, req.kv_transfer_params_out)
+                self._sent.append(req)
 
     def on_finish(self, req: Request) -> bool:
         """The request ended: tell the connector; True if its blocks must stay (the connector
-        still sends them, or a load in flight still writes into them)."""
+        still sends them, or a load in flight still writes into them). A request handed to a
+        remote decode whose blocks are held is answered later (`is_sending`, `take_sent`)."""
         rid = req.request_id
-        hold, _ = self.connector.request_finished(req, self.kv.block_ids(rid))
+        hold, params = self.connector.request_finished(req, self.kv.block_ids(rid))
+        req.kv_transfer_params_out = params
+        if hold and req.status is not RequestStatus.FINISHED_ABORTED and (req.kv_transfer_params or {}).get(
+                "do_remote_decode"):
+            self._sending[rid] = (req, time.monotonic())
         if rid in self._reported:  # its load is over but was not claimed yet
             self._reported.discard(rid)
             self._started.pop(rid, None)
         return hold or rid in self._started
+
+    def is_sending(self, rid: str) -> bool:
+        return rid in self._sending
 
     def _release(self, rid: str) -> None:
         self._invalid_block_ids.difference_update(self.kv.block_ids(rid))

@@ -107,7 +107,8 @@ class Scheduler:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.num_loading or self._finished_outside)
+        return bool(self.waiting or self.running or self.num_loading or self._finished_outside
+                    or (self.remote is not None and self.remote.num_sending))
 
     @property
     def num_waiting(self) -> int:
@@ -262,7 +263,7 @@ class Scheduler:
         if remote is not None:
             out.block_tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled}
             out.kv_connector_metadata = remote.connector.build_connector_meta(out)
-            if not out.scheduled and remote.num_loading:
+            if not out.scheduled and (remote.num_loading or remote.num_sending):
                 out.loads_to_wait, out.load_wait_s = remote.loading_ids(), IDLE_LOAD_WAIT_S
             elif not out.scheduled and self._asked_later:  # only lookups in flight: wait on them, not spin
                 remote.connector.wait_for_lookups(IDLE_LOAD_WAIT_S)
@@ -299,7 +300,10 @@ class Scheduler:
                 status = self.stop(req)
                 if status is not None:
                     self.finish(req, status)
-                outputs.append(make_output(req))
+                if not (req.is_finished and self.remote is not None and self.remote.is_sending(req.request_id)):
+                    outputs.append(make_output(req))   # else: answered when its send finished
+        if self.remote is not None:
+            self._finished_outside.extend(self.remote.take_sent())
         outputs.extend(make_output(r) for r in self._finished_outside)
         self._finished_outside.clear()
         return outputs

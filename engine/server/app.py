@@ -70,7 +70,7 @@ async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, p
                chat: bool) -> web.StreamResponse:
     eng: LLMEngine = aeng.engine
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    outputs = aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt)
+    outputs = aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt, parsed.kv_transfer_params)
     if not parsed.stream:
         final = None
         try:
@@ -88,6 +88,8 @@ async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, p
         if parsed.return_token_ids:
             body["choices"][0].update(prompt_token_ids=final.prompt_token_ids, token_ids=final.token_ids)
         body["usage"] = usage(final)
+        if final.kv_transfer_params is not None:  # as vLLM: for the P/D proxy to pass to a decode node
+            body["kv_transfer_params"] = final.kv_transfer_params
         return web.json_response(body)
     return await _stream(request, outputs, rid, chat, parsed.include_usage, eng, parsed.return_token_ids)
 
@@ -109,6 +111,8 @@ async def _stream(request: web.Request, outputs, rid: str, chat: bool, include_u
                     chunk["choices"][0]["prompt_token_ids"] = out.prompt_token_ids
                 chunk["choices"][0]["token_ids"] = out.token_ids[sent_tokens:]
             sent_text, sent_tokens = out.text, len(out.token_ids)
+            if out.kv_transfer_params is not None:
+                chunk["kv_transfer_params"] = out.kv_transfer_params
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if out.finished and include_usage:
                 tail = {"id": rid, "object": chunk["object"], "created": int(time.time()), "model": eng.model_name,

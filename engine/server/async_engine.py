@@ -29,6 +29,7 @@ class _Submit:
     cache_salt: str | None
     sink: asyncio.Queue[RequestOutput | Exception]
     loop: asyncio.AbstractEventLoop
+    kv_transfer_params: dict | None = None
 
 
 class AsyncEngine:
@@ -62,10 +63,12 @@ class AsyncEngine:
         self._thread.join(30)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; raises EngineError if it is rejected."""
         sink: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._inbox.put(_Submit(request_id, prompt, params, cache_salt, sink, asyncio.get_running_loop()))
+        self._inbox.put(_Submit(request_id, prompt, params, cache_salt, sink, asyncio.get_running_loop(),
+                                kv_transfer_params))
         try:
             while True:
                 item = await sink.get()
@@ -94,7 +97,8 @@ class AsyncEngine:
                     self._sinks.pop(item, None)
             else:
                 try:
-                    self.engine.add_request(item.prompt, item.params, item.request_id, item.cache_salt)
+                    self.engine.add_request(item.prompt, item.params, item.request_id, item.cache_salt,
+                                            item.kv_transfer_params)
                     self._sinks[item.request_id] = item
                 except EngineError as err:
                     self._deliver(item, err)

@@ -37,6 +37,7 @@ class ParsedRequest:
     cache_salt: str | None
     include_usage: bool
     return_token_ids: bool = False      # vLLM's extension: prompt and output token ids in each choice
+    kv_transfer_params: dict | None = None  # vLLM's P/D field, for the KV connector
 
 
 def _num(body: dict[str, Any], key: str, kind: type, default: Any, lo: float | None = None,
@@ -105,6 +106,9 @@ def parse(body: Any, chat: bool, model_name: str, default_max_tokens: int) -> Pa
     return_ids = body.get("return_token_ids", False)
     if not isinstance(return_ids, bool):
         raise BadRequest("'return_token_ids' must be a boolean", "return_token_ids")
+    transfer = body.get("kv_transfer_params")
+    if transfer is not None and not isinstance(transfer, dict):
+        raise BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params")
     try:
         params = SamplingParams(
             max_tokens=_num(body, max_key, int, default_max_tokens, 1, 1 << 20),
@@ -117,7 +121,7 @@ def parse(body: Any, chat: bool, model_name: str, default_max_tokens: int) -> Pa
     except ValueError as err:
         raise BadRequest(str(err)) from None
     return ParsedRequest(prompt, messages, params, stream, salt,
-                         bool(isinstance(opts, dict) and opts.get("include_usage")), return_ids)
+                         bool(isinstance(opts, dict) and opts.get("include_usage")), return_ids, transfer)
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:

@@ -61,3 +61,28 @@ def test_cluster_up_status_down(tmp_path: Path) -> None:
     missing = kvpool("cluster", "status", "--run-dir", str(run))
     assert missing.returncode == 1 and missing.stderr.startswith("kvpool cluster: error: no cluster")
     assert os.path.exists(run / "node-0.log")
+
+
+def test_cluster_up_pd(tmp_path: Path) -> None:
+    """`--pd 1:1`: a producer and a consumer behind `kvpool router --pd`; a prompt sent to the
+    router is prefilled on the one and decoded on the other, with the prompt's KV loaded."""
+    run = tmp_path / "pd"
+    bad = kvpool("cluster", "up", "--pd", "0:1", "--run-dir", str(run))
+    assert bad.returncode == 1 and "--pd takes P:D" in bad.stderr and not (run / "cluster.json").exists()
+    up = kvpool("cluster", "up", "--pd", "1:1", "--run-dir", str(run), "--pool-size", "128MiB",
+                "--engine-arg=--kv-cache-bytes=128MiB")
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        info = json.loads((run / "cluster.json").read_text())
+        assert [p["name"] for p in info["processes"]] == ["etcd", "metaserver", "prefill-0", "decode-0", "router"]
+        prefill, decode, router = (p["address"] for p in info["processes"][2:])
+        assert http_json(router + "/health", timeout_s=5)[1]["prefill_nodes_up"] == 1
+        status, body = http_json(router + "/v1/completions", {"prompt": "The rivers of Europe are many. " * 8,
+                                                              "max_tokens": 4, "temperature": 0})
+        n = body["usage"]["prompt_tokens"]
+        assert status == 200 and body["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == (n - 1) // 16 * 16 > 0
+        assert http_json(prefill + "/stats", timeout_s=5)[1]["connector_handoff_sends"] == 1
+        assert http_json(decode + "/stats", timeout_s=5)[1]["connector_handoff_loads"] == 1
+    finally:
+        down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
+    assert down.returncode == 0 and down.stdout.count("stopped") == 5

@@ -34,6 +34,7 @@ from tests.helm.chart import (
     name,
     pod_spec,
     render,
+    render_error,
     render_text,
     selects,
     service_host,
@@ -491,6 +492,33 @@ def test_a_discovering_router_reads_the_registry_the_engines_announce_in() -> No
         assert args.metaserver == f"{service_host(ms)}:{ms['spec']['ports'][0]['port']}"
         engine = build_parser().parse_args(_engine_args(r))
         assert engine.advertise_url == f"http://{FAKE_POD_IP}:{engine.port}"
+
+
+def test_pd_groups_run_their_roles_behind_a_pd_router() -> None:
+    """pd.enabled: a prefill StatefulSet (producers) and a decode StatefulSet (consumers), each
+    with its headless Service selecting only its pods; the router runs --pd with every pod of
+    each group by its stable DNS name; without the router the chart refuses to render."""
+    r = render(("router-values.yaml",), sets=("pd.enabled=true", "pd.prefill.replicas=2", "pd.decode.replicas=3"))
+    assert not r.has("StatefulSet", name("engine"))
+    urls = {}
+    for group, role, replicas in (("prefill", "producer", 2), ("decode", "consumer", 3)):
+        sts = r.find("StatefulSet", f"{name('engine')}-{group}")
+        assert sts["spec"]["replicas"] == replicas
+        args = build_parser().parse_args(expand(container(sts, "engine"), f"{name('engine')}-{group}-0"))
+        assert args.kv_role == role
+        assert engine_cli.kv_transfer_config(args).kv_role == f"kv_{role}"
+        headless = r.find("Service", f"{name('engine')}-{group}-headless")
+        assert sts["spec"]["serviceName"] == headless["metadata"]["name"]
+        assert selects(headless["spec"]["selector"], _pod_labels(sts))
+        assert selects(sts["spec"]["selector"]["matchLabels"], _pod_labels(sts))
+        urls[group] = [f"http://{name('engine')}-{group}-{i}.{service_host(headless)}:{args.port}"
+                       for i in range(replicas)]
+    prefill, decode = (r.find("StatefulSet", f"{name('engine')}-{g}") for g in ("prefill", "decode"))
+    assert not selects(prefill["spec"]["selector"]["matchLabels"], _pod_labels(decode))
+    router = build_parser().parse_args(container(r.find("Deployment", name("router")), "router")["args"])
+    assert router.pd and router.nodes == ""
+    assert router.prefill.split(",") == urls["prefill"] and router.decode.split(",") == urls["decode"]
+    assert "pd.enabled needs router.enabled" in render_error("pd.enabled=true")
 
 
 def test_router_is_off_by_default() -> None:

@@ -60,6 +60,30 @@ app.kubernetes.io/managed-by: {{ $.Release.Service }}
 {{- printf "%s:%d" (include "kvpool.serviceHost" (list . "metaserver")) (int .Values.metaserver.port) -}}
 {{- end -}}
 
+{{/* The engine node groups, as a YAML list: one group of engine.replicas nodes (kv role
+both), or with pd.enabled a prefill group (producers) and a decode group (consumers). Each
+has its StatefulSet and headless Service, named with its suffix, and its pods carry the
+kvpool.io/group label; all of them are component "engine" (client Service, monitoring). */}}
+{{- define "kvpool.engineGroups" -}}
+{{- if .Values.pd.enabled -}}
+- {suffix: "-prefill", group: prefill, replicas: {{ int .Values.pd.prefill.replicas }}, kvRole: producer}
+- {suffix: "-decode", group: decode, replicas: {{ int .Values.pd.decode.replicas }}, kvRole: consumer}
+{{- else -}}
+- {suffix: "", group: "", replicas: {{ int .Values.engine.replicas }}, kvRole: ""}
+{{- end -}}
+{{- end -}}
+
+{{/* Stable per-pod URLs of a group's nodes: (list $ GROUP) -> [http://POD.HEADLESS...:PORT, ..] */}}
+{{- define "kvpool.groupNodeURLs" -}}
+{{- $ := index . 0 -}}
+{{- $g := index . 1 -}}
+{{- $name := printf "%s%s" (include "kvpool.componentName" (list $ "engine")) $g.suffix -}}
+{{- range $i := until (int $g.replicas) -}}
+{{- if $i }},{{ end -}}
+{{- printf "http://%s-%d.%s-headless.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $.Values.engine.port) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The engine client Service base URL (HTTP API). */}}
 {{- define "kvpool.engineURL" -}}
 {{- printf "http://%s:%d" (include "kvpool.serviceHost" (list . "engine")) (int .Values.engine.port) -}}
@@ -97,6 +121,9 @@ the metaserver's client fails over between addresses, and refuses DNS names in a
 {{- $_ := required "engine.modelVolume.claimName is required when engine.modelVolume.type=persistentVolumeClaim" $mv.claimName -}}
 {{- else if eq $mv.type "hostPath" -}}
 {{- $_ := required "engine.modelVolume.hostPath is required when engine.modelVolume.type=hostPath" $mv.hostPath -}}
+{{- end -}}
+{{- if and .Values.pd.enabled (not .Values.router.enabled) -}}
+{{- fail "pd.enabled needs router.enabled: the router is the front door that sends each request to a prefill node, then to a decode node" -}}
 {{- end -}}
 {{- include "kvpool.validateSecurity" . -}}
 {{- end -}}
