@@ -57,6 +57,6 @@ def make_output(req: Request) -> RequestOutput:
         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
         text=req.output_text, finished=finished, finish_reason=req.status.value if finished else None,
         stop_reason=req.stop_reason, logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None
-        else None, num_cached_tokens=max(req.num_cached_tokens, 0), num_external_tokens=req.num_external_tokens,
+        else None, num_cached_tokens=max(req.num_cached_tokens, 0), num_external_tokens=req.num_prompt_external_tokens,
         ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None, error=req.error,
         kv_transfer_params=req.kv_transfer_params_out if finished else None)

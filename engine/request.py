@@ -69,7 +69,10 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0          # tokens whose KV is in the cache
     num_cached_tokens: int = -1           # local prefix-cache hit at first scheduling (-1: not yet)
-    num_external_tokens: int = 0          # tokens loaded by the connector
+    num_external_tokens: int = 0          # tokens loaded by the connector (its last load)
+    # Of those, the prompt tokens loaded at its first admission: what its answer reports (a
+    # preempted request may later reload its own blocks, generated tokens included).
+    num_prompt_external_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
     num_preemptions: int = 0
     first_token_time: float | None = None

@@ -124,7 +124,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
     summary = summarize(results, wall, args.ttft_slo, args.tpot_slo)
     loads = after.get("connector_loads", 0) - before.get("connector_loads", 0)
     loaded = [r for r in results if not r.error and r.remote_hit_tokens]
-    if loads and loaded:
+    if config == "pd" and loads and loaded:  # colocated: the only loads are preempted requests' own blocks
         transfer = (after["connector_load_seconds"] - before["connector_load_seconds"]) / loads
         ttft = sum(r.ttft_s for r in loaded) / len(loaded)
         summary.update(transfer_mean_s=transfer, loaded_ttft_mean_s=ttft, transfer_share_of_ttft=transfer / ttft)

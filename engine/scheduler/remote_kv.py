@@ -131,6 +131,8 @@ class RemoteKV:
             log.info("%s: %d of %d loaded blocks failed; recomputing from block %d", rid, last - bad, last - first, bad)
             last = bad
         req.num_external_tokens = (last - first) * bs
+        if req.num_preemptions == 0:
+            req.num_prompt_external_tokens = req.num_external_tokens
         req.num_computed_tokens = last * bs
         self.remote_hit_tokens += req.num_external_tokens
         self.kv.cache_computed(req)

@@ -289,3 +289,21 @@ def test_finished_requests_are_told_to_the_runner_once() -> None:
     sched.abort_request("a")
     assert sched.schedule().finished_req_ids == {"a"}
     assert sched.schedule().finished_req_ids == frozenset()
+
+
+def test_a_reload_after_preemption_is_not_reported_as_a_prompt_hit() -> None:
+    """The answer reports the prompt tokens loaded at the first admission; a preempted
+    request that reloads its blocks (its generated tokens' too) loads more but reports the same."""
+    sched, conn, _ = make()
+    a = parked(sched, conn, "a", n=21, external=16)
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}))
+    step(sched)
+    assert a.num_prompt_external_tokens == 16 and a.status is RequestStatus.RUNNING
+    sched._preempt(a, SchedulerOutput())
+    conn.offer["a"] = 20                       # its prompt and a generated token, from the pool
+    step(sched)
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(sched, report=KVConnectorOutput(finished_recving={"a"}))
+    outputs = finish_step(sched, sched.schedule())
+    assert a.num_external_tokens == 20 and a.num_prompt_external_tokens == 16
+    assert [o.num_external_tokens for o in outputs if o.request_id == "a"] == [16]
