@@ -32,7 +32,7 @@ ROUTER = web.AppKey("router", "Router")
 _SKIP = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}},
                              status=status)
 
@@ -63,11 +63,11 @@ class Router:
         try:
             json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(400, f"invalid JSON body: {err}")
+            return error_response(400, f"invalid JSON body: {err}")
         self.requests += 1
         # Tokenizing a long prompt takes milliseconds: off the event loop, which streams for everyone.
         chain = await asyncio.to_thread(self._chain, body, chat) if self.policy.name == "prefix" else None
-        return await self._send(request, body, _headers(request), chain, self.backends, self.policy)
+        return await self._send(request, body, forward_headers(request), chain, self.backends, self.policy)
 
     async def _send(self, request: web.Request, body: bytes, headers: dict[str, str], chain: Chain | None,
                     backends: Backends, policy: Policy) -> web.StreamResponse:
@@ -79,7 +79,7 @@ class Router:
             nodes = [n for n in backends.up() if n.url not in tried]
             if not nodes:
                 self.errors += 1
-                return _error(503, f"no node could take the request ({last})", "server_error")
+                return error_response(503, f"no node could take the request ({last})", "server_error")
             choice = policy.choose(nodes, chain)
             node = choice.node
             if tried:
@@ -198,6 +198,7 @@ class Router:
             return resp
 
     def extra_metrics(self, prefix: str) -> list[str]:
+        """More Prometheus lines (names under `prefix`) for a router that has more to say."""
         return []
 
     def groups(self) -> list[tuple[str, Backends, Policy]]:
@@ -220,7 +221,7 @@ class Router:
                     return web.Response(status=r.status, body=await r.read(), content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as err:
                 self.backends.mark_down(node, str(err) or type(err).__name__)
-        return _error(503, "no node is up", "server_error")
+        return error_response(503, "no node is up", "server_error")
 
     async def health(self, request: web.Request) -> web.Response:
         up = len(self.backends.up())
@@ -244,13 +245,14 @@ class Router:
             lines += [f'{p}{name}{{node="{b.url}",policy="{policy.name}"{role}}} {get(b)}'
                       for role, backends, policy in self.groups() for b in backends.nodes]
         lines += self.extra_metrics(p)
-        view_answers = getattr(self.policy, "view_answers", None)
-        if view_answers is not None:
-            lines += [f"# TYPE {p}index_answers_total counter", f"{p}index_answers_total {view_answers}"]
+        answers = [getattr(policy, "view_answers", None) for _, _, policy in self.groups()]
+        if any(a is not None for a in answers):
+            lines += [f"# TYPE {p}index_answers_total counter",
+                      f"{p}index_answers_total {sum(a for a in answers if a is not None)}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
-def _headers(request: web.Request) -> dict[str, str]:
+def forward_headers(request: web.Request) -> dict[str, str]:
     """The client's headers a node gets: its API key and the body's type."""
     return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
 

@@ -24,7 +24,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from router.app import Router, _error, _headers
+from router.app import Router, error_response, forward_headers
 from router.backends import Backend, Backends
 from router.chain import Chain, PromptHasher
 from router.policy import LeastLoaded, Policy
@@ -53,12 +53,12 @@ class PDRouter(Router):
         try:
             obj = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return _error(400, f"invalid JSON body: {err}")
+            return error_response(400, f"invalid JSON body: {err}")
         if not isinstance(obj, dict):
-            return _error(400, "the request body must be a JSON object")
+            return error_response(400, "the request body must be a JSON object")
         self.requests += 1
         chain = await asyncio.to_thread(self._chain, body, chat) if self.prefill_policy.name == "prefix" else None
-        headers = _headers(request)
+        headers = forward_headers(request)
         params = await self._prefill(request.path, obj, headers, chain)
         if isinstance(params, web.Response):  # the prefill node refused the request itself (4xx)
             return params
