@@ -191,33 +191,30 @@ class PoolWorker:
     def save(self, saves: Sequence[SaveSpec]) -> None:
         """Copy the blocks into the pool: on the saver thread (`connector.saver`), or here
         with `async_saves` off. Publication is batched and asynchronous either way."""
+        self._put(((b, h) for spec in saves for b, h in zip(spec.block_ids, spec.block_hashes)))
+
+    def _put(self, blocks: Iterable[tuple[int, bytes]], force: bool = False) -> None:
+        """(cache block, hash) pairs into the pool: queued on the saver (`force`: never
+        dropped for being behind), or copied here without one."""
         assert self.pool is not None and self._layout is not None
-        n, layout = self.block_bytes, self._layout
+        layout = self._layout
         if self._saver is not None:
-            self._saver.enqueue((b, h, layout.payload(b)) for spec in saves
-                                for b, h in zip(spec.block_ids, spec.block_hashes))
+            self._saver.enqueue(((b, h, layout.payload(b)) for b, h in blocks), force=force)
             return
-        for spec in saves:
-            for b, h in zip(spec.block_ids, spec.block_hashes):
-                if self.pool.put(h, layout.payload(b), n):
-                    self.stats.saved_blocks += 1
+        for b, h in blocks:
+            if self.pool.put(h, layout.payload(b), self.block_bytes):
+                self.stats.saved_blocks += 1
 
     # ---- sends (P/D) ------------------------------------------------------------------
 
     def send(self, sends: Sequence[SendSpec]) -> None:
         """Put each send's blocks into the pool (those not there yet), then name them."""
-        assert self.pool is not None and self._layout is not None
-        layout = self._layout
         for spec in sends:
             self._sending.add(spec.request_id)
+            self._put(zip(spec.block_ids, spec.block_hashes), force=True)
             if self._saver is not None:
-                self._saver.enqueue(((b, h, layout.payload(b)) for b, h in zip(spec.block_ids, spec.block_hashes)),
-                                    force=True)
                 self._saver.after(lambda spec=spec: self._sent_now(spec))
             else:
-                for b, h in zip(spec.block_ids, spec.block_hashes):
-                    if self.pool.put(h, layout.payload(b), self.block_bytes):
-                        self.stats.saved_blocks += 1
                 self._sent_now(spec)
 
     def _sent_now(self, spec: SendSpec) -> None:
