@@ -115,6 +115,21 @@ class AttentionMetadata:
         return groups
 
     @cached_property
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For the C decode kernel, built once per pass: the one-query sequences' (rows [n], context
+        lengths [n], block tables concatenated [sum of table lengths], each table's start [n]), int64."""
+        dec = [s for s in self.seqs if s.num_query == 1]
+        device = self.slot_block_ids.device
+        starts, at = [], 0
+        for s in dec:
+            starts.append(at)
+            at += len(s.block_table)
+        cat = torch.cat([s.block_table for s in dec]) if dec else torch.empty(0, dtype=torch.long, device=device)
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        return (as_t([s.query_start for s in dec]), as_t([s.context_len for s in dec]),
+                cat.to(torch.long).contiguous(), as_t(starts))
+
+    @cached_property
     def prefill_seqs(self) -> list[SeqSpan]:
         return [s for s in self.seqs if s.num_query > 1]
 

@@ -1,6 +1,7 @@
-"""Attention over the paged cache with torch SDPA (the CPU default).
+"""Attention over the paged cache on CPU: a C kernel for decode, torch SDPA for the rest.
 
-Decode sequences (one query each) run batched: per layer, each decode group of the pass
+Decode sequences (one query each) go to the C kernel (`cpu_kernel`, float32) where it built:
+it reads K/V in place in the paged blocks. Without it (bf16, no compiler) they run batched: per layer, each decode group of the pass
 (see `metadata.plan_decode_groups`) gathers its padded block tables' K and V with one
 index_select each and runs one SDPA call with a key-padding mask. GQA without copies: the
 group's query heads of one KV head are laid out as that KV head's query rows
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata, DecodeGroup
 from engine.kv_cache import PagedKVCache
 
@@ -30,9 +32,14 @@ def causal_mask(num_query: int, context_len: int, device: torch.device) -> torch
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> output of the same shape (the new K/V are already cached)."""
-    out = torch.empty_like(q)
-    for g in meta.decode_groups(cache.layout.block_size):
-        out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if cpu_kernel.supports(cache.blocks, q.shape[1], cache.layout.num_kv_heads) and q.stride(-1) == 1:
+        rows, ctx, tables, starts = meta.decode_tables
+        if rows.numel():
+            cpu_kernel.paged_decode(q, cache.blocks, layer, rows, ctx, tables, starts, out, scale)
+    else:
+        for g in meta.decode_groups(cache.layout.block_size):
+            out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
     for s in meta.prefill_seqs:
         qs = q[s.query_start:s.query_start + s.num_query]
         k, v = cache.gather(layer, s.block_table, s.context_len)  # [ctx, kvh, hd]

@@ -1,6 +1,7 @@
-"""Batched decode attention of the torch backend against the per-sequence reference, on random
-paged caches: GQA, varied context lengths (block boundaries, one token, long), decode and
-prefill chunks in one pass, and garbage (NaN) in every cache slot outside a context."""
+"""Decode attention of the CPU backend against the per-sequence reference, on random paged
+caches: GQA, varied context lengths (block boundaries, one token, long), decode and prefill
+chunks in one pass, and garbage (NaN) in every cache slot outside a context. Every test runs
+twice: decode in the C kernel (which must build here) and in the batched SDPA groups."""
 from __future__ import annotations
 
 import random
@@ -8,12 +9,23 @@ import random
 import pytest
 import torch
 
+from engine.attention import cpu_kernel
 from engine.attention import metadata as md
 from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata, SeqSpan
 from engine.kv_cache import CacheLayout, PagedKVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
+
+
+@pytest.fixture(params=["kernel", "groups"], autouse=True)
+def decode_path(request, monkeypatch) -> str:
+    if request.param == "kernel":
+        cpu_kernel.build()  # raises if it cannot build: never a silent fall back to the other path
+        assert cpu_kernel.available()
+    else:
+        monkeypatch.setattr(cpu_kernel, "supports", lambda *a: False)
+    return request.param
 
 
 def random_pass(specs: list[tuple[int, int]], seed: int, dtype: torch.dtype = torch.float32,
@@ -117,3 +129,22 @@ def test_a_wrong_key_is_detected() -> None:
     out = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.3)
     assert (out[1] - ref[1]).abs().max() > 1e-3
     assert torch.allclose(out[[0, 2]], ref[[0, 2]], atol=1e-5)
+
+
+def test_float32_decode_takes_the_kernel(decode_path: str, monkeypatch) -> None:
+    """With the kernel built, fp32 decode rows go through it (and only decode rows)."""
+    calls = []
+    real = cpu_kernel.paged_decode
+    monkeypatch.setattr(cpu_kernel, "paged_decode", lambda *a: calls.append(a[3].tolist()) or real(*a))
+    q, cache, meta = random_pass([(1, 20), (4, 12), (1, 9)], seed=8)
+    check(q, cache, meta, atol=1e-5)
+    assert calls == ([[0, 5]] * 2 if decode_path == "kernel" else [])
+
+
+def test_the_kernel_leaves_subnormal_floats_alone() -> None:
+    """Loading the kernel (compiled with -ffast-math) must not turn on flush-to-zero process-wide."""
+    cpu_kernel.build()
+    tiny, one = float.fromhex("0x0.0000000000001p-1022"), float(len("x"))
+    assert tiny * one > 0.0
+    t = torch.full((4,), 1e-40, dtype=torch.float32)
+    assert (t * 1.0 > 0).all()

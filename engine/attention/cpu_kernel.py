@@ -1,0 +1,126 @@
+"""The C decode-attention kernel (csrc/paged_decode.c), built on first use and called via ctypes.
+
+Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
+OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
+($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
+own. The library links libgomp by soname; torch has loaded its own copy by then, so the
+kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
+the call.
+
+`available()` is False (and the torch path runs) where no compiler works; `build()` raises
+instead, for `make setup` and tests that must not pass without the kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# -ffast-math only when compiling: linking with it adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process (every float op of Python, numpy and torch would change).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C source's array bounds
+
+_lock = threading.Lock()
+_fn = None
+_failed: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C kernel could not be compiled or loaded (the message says why)."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
+                         + _cpu_flags().encode())
+    root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
+    return root / key.hexdigest()[:16] / "paged_decode.so"
+
+
+def build() -> ctypes.CDLL:
+    """Compile (if not cached) and load the library; KernelBuildError if that fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise KernelBuildError("no C compiler (cc or $CC) on PATH")
+    lib = _library_path(compiler)
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent builders never load a half-written file.
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+            obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
+            for cmd in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                        [compiler, str(obj), *LINK_FLAGS, "-o", str(so)]):
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise KernelBuildError(f"{' '.join(cmd)} failed: {r.stderr.strip()[:500]}")
+            os.replace(so, lib)
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {lib}: {e}") from e
+
+
+def _function():
+    global _fn, _failed
+    with _lock:
+        if _fn is None and _failed is None:
+            try:
+                f = build().paged_decode_f32
+            except KernelBuildError as e:
+                _failed = str(e)
+                log.warning("C decode attention unavailable, using the torch path: %s", e)
+                return None
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                          ctypes.c_float]
+            f.restype = None
+            _fn = f
+        return _fn
+
+
+def available() -> bool:
+    return _function() is not None
+
+
+def supports(blocks: torch.Tensor, heads: int, kv_heads: int) -> bool:
+    """Whether the kernel handles this cache ([block, layer, k/v, token, kv_head, head_dim] view) and head shape."""
+    return (blocks.device.type == "cpu" and blocks.dtype == torch.float32 and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP and blocks.shape[-1] <= MAX_HEAD_DIM
+            and blocks.shape[3] <= MAX_BLOCK and blocks.stride(-1) == 1
+            and blocks.stride(4) == blocks.shape[-1] and available())
+
+
+def paged_decode(q: torch.Tensor, blocks: torch.Tensor, layer: int, rows: torch.Tensor, ctx_lens: torch.Tensor,
+                 tables: torch.Tensor, table_starts: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Attention of the one-token sequences at `rows` of q ([tokens, heads, head_dim], last dim contiguous)
+    over their paged K/V, written into the same rows of `out` ([tokens, heads, head_dim], contiguous).
+    Sequence i's block table is tables[table_starts[i]:...] and it has ctx_lens[i] keys (its new token's
+    included, already written). All index tensors int64, contiguous, on the CPU."""
+    fn = _function()
+    assert fn is not None and q.stride(-1) == 1 and q.stride(1) == q.shape[-1] and out.is_contiguous()
+    kvh, hd = blocks.shape[4], blocks.shape[5]
+    fn(blocks.data_ptr(), blocks.stride(0), layer * blocks.stride(1), blocks.stride(2), blocks.stride(3),
+       q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), ctx_lens.data_ptr(), tables.data_ptr(),
+       table_starts.data_ptr(), rows.shape[0], kvh, q.shape[1] // kvh, hd, blocks.shape[3], scale)
