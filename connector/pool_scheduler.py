@@ -133,6 +133,10 @@ class PoolScheduler:
         self._saves: list[SaveSpec] = []
         self._sends: list[SendSpec] = []
         self._writes: list[int] = []
+        # request id -> blocks up to which its saves are planned. A block filled by accepted
+        # speculative drafts had no hash when its step was planned (its tokens were not known
+        # yet); it is planned at the request's next step, from here.
+        self._planned: dict[str, int] = {}
         self.handoff_loads = 0       # requests whose hit came from a producer's transfer params (counter)
         self.handoff_sends = 0       # requests handed to a remote decode (counter)
         self.handoff_bad_params = 0  # transfer params that could not be read (looked up instead; counter)
@@ -241,11 +245,13 @@ class PoolScheduler:
         if not self.produce:
             return
         bs = self.block_size
-        first = num_computed_tokens // bs
+        written = num_computed_tokens // bs
         # Every block the step writes for it (the last one possibly partial): a queued save of
         # any of them (the host reused the block) must not copy it afterwards.
-        self._writes.extend(block_table[first:-(-(num_computed_tokens + num_new_tokens) // bs)])
+        self._writes.extend(block_table[written:-(-(num_computed_tokens + num_new_tokens) // bs)])
+        first = min(written, self._planned.get(request_id, written))
         last = min((num_computed_tokens + num_new_tokens) // bs, len(block_hashes), len(block_table))
+        self._planned[request_id] = max(last, first)
         if last > first:
             keep = self._save_policy.select(block_hashes[first:last])
             if keep:
@@ -278,6 +284,7 @@ class PoolScheduler:
     def forget(self, request_id: str) -> None:
         """The request ended: drop what is remembered about it."""
         self._hits.pop(request_id, None)
+        self._planned.pop(request_id, None)
         self._asked.pop(request_id, None)
         self._lookups.forget(request_id)
         self._loading.pop(request_id, None)

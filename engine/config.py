@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.kv_connector.config import KVTransferConfig
+    from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
 
@@ -26,6 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu
     served_model_name: str = ""            # name in the API; default: the model's own name
     kv_transfer_config: KVTransferConfig | None = None  # a KV connector (--kv-connector); None = local cache only
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -85,6 +85,17 @@ class KVCacheManager:
         for b, h in zip(blocks[:full], hashes[:full]):
             self.pool.cache(b, h)
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past those its tokens need (speculative decoding allocated
+        room for drafts; the rejected ones' slots are not kept). They were never full of
+        computed tokens, so never cached."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-request.num_tokens // self.block_size)
+        if blocks is not None and len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(extra)
+
     def free(self, request: Request) -> None:
         self.free_by_id(request.request_id)
 

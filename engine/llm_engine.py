@@ -30,6 +30,8 @@ from engine.request import Request, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,11 @@ class LLMEngine:
                                  max_model_len=self.max_model_len)
         loads = {"kv_load_failure_policy": kvt.kv_load_failure_policy, "kv_load_timeout_s": kvt.kv_load_timeout_s,
                  "kv_load_wait_s": kvt.kv_load_wait_s} if kvt else {}
+        self.speculator = self._make_speculator(config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                                                    config.enable_chunked_prefill, **loads,
                                                    long_prefill_token_threshold=config.long_prefill_token_threshold),
-                                   self.kv, self.connector, stop)
+                                   self.kv, self.connector, stop, self.speculator)
         self.sampler = Sampler()
         self.runner = ModelRunner(self.model, self.cache, self.kv, self.sampler, self.connector_worker)
         self._ids = itertools.count()
@@ -105,6 +108,18 @@ class LLMEngine:
             worker.shutdown()
             raise
         return sched, worker
+
+    def _make_speculator(self, config: EngineConfig) -> Speculator | None:
+        sc = config.speculative_config
+        if sc is None:
+            return None
+        if sc.method == "ngram":
+            proposer = NgramProposer(sc.prompt_lookup_min, sc.prompt_lookup_max)
+        else:
+            from engine.spec_decode.draft import SelfDraftProposer
+
+            proposer = SelfDraftProposer(self.model, self.cache, self.kv, sc.draft_num_layers)
+        return Speculator(sc, proposer, self.max_model_len)
 
     def close(self) -> None:
         """Stop the connector (unregister from the pool). Idempotent."""
@@ -160,6 +175,8 @@ class LLMEngine:
             if half is not None:
                 for k, v in half.get_kv_connector_stats().items():
                     out[k] = out.get(k, 0) + v
+        if self.speculator is not None:
+            out.update(self.speculator.stats())
         return out
 
     def prefix_cache_hit_rate(self) -> float:

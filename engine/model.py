@@ -104,15 +104,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Run the batch; returns fp32 logits for the tokens at `logits_indices`."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+        """Run the batch; returns fp32 logits for the tokens at `logits_indices`. `num_layers`: only
+        the first that many layers, then the final norm and LM head (a self-draft's early exit)."""
         c = self.config
         n = input_ids.shape[0]
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos = self.cos[positions][:, None, :]  # once per pass, not per layer
         sin = self.sin_signed[positions][:, None, :]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = rms_norm(h, layer.in_norm, c.rms_eps)
             qkv = layer.qkv(x)
             # RoPE on the query and key heads together: [n, heads + kv_heads, head_dim]

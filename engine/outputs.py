@@ -22,6 +22,10 @@ class RequestOutput:
     ttft_s: float | None                     # arrival -> first token
     error: str | None = None
     kv_transfer_params: dict | None = None   # the connector's, for the client (P/D: what a decode node loads)
+    # speculative decoding: drafts proposed and accepted for this request, and the steps that verified some
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
 
 
 def check_stop(req: Request, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int) -> RequestStatus | None:
@@ -59,4 +63,6 @@ def make_output(req: Request) -> RequestOutput:
         stop_reason=req.stop_reason, logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None
         else None, num_cached_tokens=max(req.num_cached_tokens, 0), num_external_tokens=req.num_prompt_external_tokens,
         ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None, error=req.error,
-        kv_transfer_params=req.kv_transfer_params_out if finished else None)
+        kv_transfer_params=req.kv_transfer_params_out if finished else None,
+        spec_proposed_tokens=req.spec_proposed_tokens, spec_accepted_tokens=req.spec_accepted_tokens,
+        spec_steps=req.spec_steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +81,13 @@ class Request:
     stop_reason: str | int | None = None
     error: str | None = None
     output_text: str = ""
+    # Speculative decoding: this step's draft tokens (and their distributions, for sampled
+    # drafts), set by the speculator before scheduling; and the request's running totals.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

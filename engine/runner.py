@@ -14,9 +14,8 @@ from engine.attention.metadata import AttentionMetadata, SeqSpan
 from engine.kv_cache import PagedKVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaModel
-from engine.request import Request
 from engine.sampler import Sampler
-from engine.step import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
+from engine.step import KVConnectorOutput, ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnectorBase_V1
@@ -35,26 +34,30 @@ class ModelRunner:
         self.device = model.device
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                     list[Request]]:
+                                                     list[ScheduledSeq]]:
+        """The pass's flat token ids and positions, attention metadata, the rows whose logits are
+        needed (one per sampling request; 1 + drafts for a speculating one) and those requests."""
         ids: list[int] = []
         positions: list[int] = []
         spans = []
         logits_idx: list[int] = []
-        samplers: list[Request] = []
+        samplers: list[ScheduledSeq] = []
         slot_blocks: list[int] = []
         bs = self.block_size
         for s in out.scheduled:
             req = s.request
             start, n = req.num_computed_tokens, s.num_new_tokens
+            k = len(s.draft_token_ids)
             q0 = len(ids)
-            ids.extend(req.all_token_ids[start:start + n])
+            ids.extend(req.all_token_ids[start:start + n - k])
+            ids.extend(s.draft_token_ids)
             positions.extend(range(start, start + n))
             block_ids = self.kv.block_ids(req.request_id)
             slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
             spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device)))
             if s.samples:
-                logits_idx.append(q0 + n - 1)
-                samplers.append(req)
+                logits_idx.extend(range(q0 + n - 1 - k, q0 + n))
+                samplers.append(s)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(spans, torch.tensor(slot_blocks, dtype=torch.long, device=self.device),
                                  pos_t % bs)
@@ -79,12 +82,25 @@ class ModelRunner:
             result.kv_connector_output = self._connector_report(c, out.finished_req_ids)
         return result
 
-    def _forward(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """The sampled token (and logprobs) of each scheduled request that samples."""
-        ids, pos, meta, logits_idx, reqs = self.prepare(out)
+    def _forward(self, out: SchedulerOutput) -> dict[str, list[tuple[int, dict[int, float] | None]]]:
+        """The tokens each scheduled request that samples emits (and their logprobs)."""
+        ids, pos, meta, logits_idx, seqs = self.prepare(out)
         logits_at = torch.tensor(logits_idx, dtype=torch.long, device=self.device)  # may be empty: no one samples
-        logits = self.model.forward(ids, pos, self.cache, meta, logits_at)
-        return {r.request_id: s for r, s in zip(reqs, self.sampler.sample(logits.cpu(), reqs))}
+        logits = self.model.forward(ids, pos, self.cache, meta, logits_at).cpu()
+        plain = [i for i, s in enumerate(seqs) if not s.draft_token_ids]
+        rows = [0]
+        for s in seqs:
+            rows.append(rows[-1] + 1 + len(s.draft_token_ids))
+        result: dict[str, list[tuple[int, dict[int, float] | None]]] = {}
+        if plain:
+            picked = logits[[rows[i] for i in plain]]
+            for i, sample in zip(plain, self.sampler.sample(picked, [seqs[i].request for i in plain])):
+                result[seqs[i].request.request_id] = [sample]
+        for i, s in enumerate(seqs):
+            if s.draft_token_ids:
+                result[s.request.request_id] = self.sampler.verify(logits[rows[i]:rows[i + 1]], s.request,
+                                                                   list(s.draft_token_ids), s.draft_probs)
+        return result
 
     @staticmethod
     def _connector_report(c: KVConnectorBase_V1, finished_req_ids: frozenset[str]) -> KVConnectorOutput:

@@ -1,9 +1,28 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs; and the
+verification of speculative proposals (`spec_decode.rejection`) with the same distributions."""
 from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, SamplingParams
+from engine.spec_decode.rejection import verify
+
+Sample = tuple[int, "dict[int, float] | None"]  # (token, its top logprobs or None)
+
+
+def target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: fp32 logits [vocab] after temperature,
+    top-k and top-p (the smallest set of most likely tokens reaching top_p), normalised."""
+    x = row / p.temperature
+    if p.top_k > 0 and p.top_k < x.shape[0]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, idx = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
+        x = x.index_put((idx[drop],), torch.tensor(float("-inf")))
+    return torch.softmax(x, dim=-1)
 
 
 class Sampler:
@@ -24,7 +43,7 @@ class Sampler:
             self._generators[req.request_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, dict[int, float] | None]]:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
         """logits: fp32 [len(requests), vocab]. Returns (token, top logprobs or None) per request."""
         out = []
         for row, req in zip(logits, requests):
@@ -32,23 +51,27 @@ class Sampler:
             if p.greedy:
                 token = int(torch.argmax(row))
             else:
-                x = row / p.temperature
-                if p.top_k > 0 and p.top_k < x.shape[0]:
-                    kth = torch.topk(x, p.top_k).values[-1]
-                    x = x.masked_fill(x < kth, float("-inf"))
-                if p.top_p < 1.0:
-                    sorted_x, idx = torch.sort(x, descending=True)
-                    probs = torch.softmax(sorted_x, dim=-1)
-                    drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
-                    x = x.index_put((idx[drop],), torch.tensor(float("-inf")))
-                probs = torch.softmax(x, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(req)))
-            lp = None
-            if p.logprobs is not None:
-                logp = torch.log_softmax(row, dim=-1)
-                lp = {token: float(logp[token])}
-                if p.logprobs > 0:
-                    top = torch.topk(logp, p.logprobs)
-                    lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
-            out.append((token, lp))
+                token = int(torch.multinomial(target_probs(row, p), 1, generator=self._generator(req)))
+            out.append((token, self._logprobs(row, token, p)))
         return out
+
+    def verify(self, logits: torch.Tensor, req: Request, drafts: list[int],
+               draft_probs: torch.Tensor | None) -> list[Sample]:
+        """logits: fp32 [len(drafts) + 1, vocab], the target's at the request's last token and at each
+        draft. The tokens the request emits this step: the accepted drafts, then the target's
+        correction (or, all accepted, a bonus token), so 1 .. len(drafts) + 1 of them."""
+        p = req.sampling_params
+        probs = None if p.greedy else torch.stack([target_probs(row, p) for row in logits])
+        tokens = verify(logits, probs, drafts, draft_probs, self._generator(req))
+        return [(t, self._logprobs(logits[i], t, p)) for i, t in enumerate(tokens)]
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token: int, p: SamplingParams) -> dict[int, float] | None:
+        if p.logprobs is None:
+            return None
+        logp = torch.log_softmax(row, dim=-1)
+        lp = {token: float(logp[token])}
+        if p.logprobs > 0:
+            top = torch.topk(logp, p.logprobs)
+            lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+        return lp

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     request: Request
-    num_new_tokens: int       # tokens computed this step, from request.num_computed_tokens on
+    num_new_tokens: int       # tokens computed this step, from request.num_computed_tokens on (drafts included)
+    draft_token_ids: tuple[int, ...] = ()   # speculative drafts: the last len() of those tokens
+    draft_probs: Any = None                  # their proposal distributions [k, vocab], or None (deterministic)
 
     @property
     def samples(self) -> bool:
@@ -49,6 +51,7 @@ class KVConnectorOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # request id -> (sampled token, its top logprobs or None), for requests that sampled
-    sampled: dict[str, tuple[int, dict[int, float] | None]] = field(default_factory=dict)
+    # request id -> the tokens it emits this step, each with its top logprobs or None: one token,
+    # or with speculative drafts the accepted ones and the target's next (1 .. drafts + 1)
+    sampled: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None   # the worker side's report (with a connector)

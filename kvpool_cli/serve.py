@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--speculative-config", default="",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
+                        '"draft_num_layers": 8} (a self-draft: the first layers of the model)')
     p.add_argument("--served-model-name", default="")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     k = p.add_argument_group("KV connector (the global pool)")
@@ -107,6 +111,7 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN201
     from engine.config import EngineConfig
+    from engine.spec_decode.config import SpeculativeConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                         kv_cache_bytes=parse_size(args.kv_cache_bytes),
@@ -115,7 +120,9 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, device=args.device,
                         attention_backend=args.attention_backend, served_model_name=args.served_model_name,
-                        kv_transfer_config=kv_transfer_config(args))
+                        kv_transfer_config=kv_transfer_config(args),
+                        speculative_config=SpeculativeConfig.parse(args.speculative_config)
+                        if args.speculative_config else None)
 
 
 def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202

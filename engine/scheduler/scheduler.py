@@ -36,6 +36,7 @@ from engine.scheduler.remote_kv import LoadState, RemoteKV
 
 if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnectorBase_V1
+    from engine.spec_decode.speculator import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +74,14 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnectorBase_V1 | None = None,
-                 stop: StopCheck = stop_at_max_tokens) -> None:
+                 stop: StopCheck = stop_at_max_tokens, speculator: Speculator | None = None) -> None:
         """`stop` decides after each sampled token whether the request ends (the engine's
-        checks eos, stop strings and the context length; the default only max_tokens)."""
+        checks eos, stop strings and the context length; the default only max_tokens).
+        `speculator`: speculative decoding (drafts proposed at the start of each schedule)."""
         self.config = config
         self.kv = kv
         self.stop = stop
+        self.speculator = speculator
         self.remote = RemoteKV(connector, kv, config.kv_load_failure_policy, config.kv_load_timeout_s) \
             if connector is not None else None
         self.waiting: deque[Request] = deque()
@@ -145,9 +148,15 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     continue
                 num_new = budget
-            if not self._allocate_or_preempt(req, num_new, scheduled, out):
+            drafts = tuple(req.spec_token_ids[:budget - 1]) if num_new == 1 else ()
+            if not self._allocate_or_preempt(req, num_new + len(drafts), scheduled, out):
                 continue
-            out.scheduled.append(ScheduledSeq(req, num_new))
+            if drafts:
+                probs = req.spec_probs[:len(drafts)] if req.spec_probs is not None else None
+                out.scheduled.append(ScheduledSeq(req, 1 + len(drafts), drafts, probs))
+                budget -= len(drafts)
+            else:
+                out.scheduled.append(ScheduledSeq(req, num_new))
             scheduled.add(req.request_id)
             budget -= num_new
         return budget
@@ -165,6 +174,7 @@ class Scheduler:
         """Free the request's blocks; it goes back to the front of the waiting queue."""
         self.kv.free(req)
         self.running.remove(req)
+        req.spec_token_ids, req.spec_probs = [], None
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -250,6 +260,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=frozenset(self._finished_ids))
         self._finished_ids.clear()
+        if self.speculator is not None:
+            self.speculator.propose(self.running)
         remote = self.remote
         if remote is not None and self.config.kv_load_wait_s > 0:
             started = self._load_ahead()
@@ -284,22 +296,35 @@ class Scheduler:
             req = s.request
             if req.is_finished:  # aborted during the step
                 continue
-            self.prefill_tokens += max(0, min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens)
+            samples = result.sampled.get(req.request_id)
+            num_new = s.num_new_tokens
+            if s.draft_token_ids and samples is not None:
+                # Only the accepted drafts' KV counts as computed; the rest of the step's slots are
+                # overwritten later (their blocks past the request's tokens are freed below).
+                accepted = len(samples) - 1
+                num_new -= len(s.draft_token_ids) - accepted
+                if self.speculator is not None:
+                    self.speculator.on_verified(req, len(s.draft_token_ids), accepted)
+            self.prefill_tokens += max(0, min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
                                        - req.num_computed_tokens)
-            req.num_computed_tokens += s.num_new_tokens
-            sample = result.sampled.get(req.request_id)
-            if sample is not None:
-                token, logprobs = sample
+            req.num_computed_tokens += num_new
+            stopped = None
+            for token, logprobs in samples or ():
                 req.output_token_ids.append(token)
                 if logprobs is not None:
                     req.output_logprobs.append(logprobs)
                 if req.first_token_time is None:
                     req.first_token_time = now
+                stopped = self.stop(req)
+                if stopped is not None:  # tokens after a stop (accepted drafts) are dropped
+                    break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
             self.kv.cache_computed(req)
-            if sample is not None:
-                status = self.stop(req)
-                if status is not None:
-                    self.finish(req, status)
+            if stopped is not None:
+                self.finish(req, stopped)
+            elif s.draft_token_ids:
+                self.kv.trim(req)
+            if samples is not None:
                 if not (req.is_finished and self.remote is not None and self.remote.is_sending(req.request_id)):
                     outputs.append(make_output(req))   # else: answered when its send finished
         if self.remote is not None:
@@ -330,3 +355,5 @@ class Scheduler:
             self.waiting.remove(req)
         self.requests.pop(rid, None)
         self._finished_ids.add(rid)
+        if self.speculator is not None:
+            self.speculator.forget(rid)

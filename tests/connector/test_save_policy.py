@@ -71,3 +71,23 @@ def test_plan_save_follows_the_policy(metaserver: MetaserverProcess, policy: str
         assert meta.writes == [10, 11, 12, 13, 20, 21, 22, 23]
     finally:
         sched.close()
+
+
+def test_a_block_filled_by_accepted_drafts_is_saved_at_the_next_step(metaserver: MetaserverProcess) -> None:
+    """Speculative decoding: a step computes tokens 30..34 (the last real one and 4 drafts); the
+    drafts fill block 1 (tokens 16..31) but its hash is not known when the step is planned. The
+    drafts are accepted; the next step (from token 35) saves block 1, and only once."""
+    extra = {"metaserver": metaserver.address}
+    settings = PoolConnectorSettings.from_extra(lambda k, d: extra.get(k, d), 10.0)
+    sched = PoolScheduler(settings, "fp", 16, consume=False, produce=True, client=MetaClient(metaserver.address))
+    try:
+        sched.plan_save("r", 0, 30, [10, 11, 12], [h(1)])          # prefill: block 0 full
+        assert [s.block_ids for s in sched.build_meta().saves] == [(10,)]
+        sched.plan_save("r", 30, 5, [10, 11, 12], [h(1)])          # 30..34: block 1 has no hash yet
+        assert sched.build_meta().saves == []
+        sched.plan_save("r", 35, 1, [10, 11, 12], [h(1), h(2)])    # accepted: block 1 now known
+        assert [s.block_ids for s in sched.build_meta().saves] == [(11,)]
+        sched.plan_save("r", 36, 1, [10, 11, 12], [h(1), h(2)])
+        assert sched.build_meta().saves == []
+    finally:
+        sched.close()

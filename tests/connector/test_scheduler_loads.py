@@ -72,7 +72,7 @@ def finish_step(sched: Scheduler, out: SchedulerOutput, sampled_token: int = 7,
                 report: KVConnectorOutput | None = None) -> list[RequestOutput]:
     """What the runner would report for `out`: a token for each request that samples, and
     the connector's `report` (default: nothing finished)."""
-    sampled = {s.request.request_id: (sampled_token, None) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [(sampled_token, None)] for s in out.scheduled if s.samples}
     return sched.update_from_output(out, ModelRunnerOutput(sampled, report or KVConnectorOutput()))
 
 

@@ -22,7 +22,7 @@ def req(rid: str, n: int, base: int) -> Request:
 
 def step(sched: Scheduler) -> dict[str, int]:
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput({s.request.request_id: (7, None) for s in out.scheduled if s.samples}))
+    sched.update_from_output(out, ModelRunnerOutput({s.request.request_id: [(7, None)] for s in out.scheduled if s.samples}))
     return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
 
 
