@@ -1,9 +1,9 @@
 """`kvpool bench spec`: decode speed with and without speculative decoding, in one run.
 
-Two workloads, greedy, `--output-tokens` each (EOS ignored, so every configuration emits the
-same count):
-    copy   rewrite or continue a given text or code with small changes (the answer copies
-           from the prompt: where n-gram drafts are accepted)
+Two workloads, greedy, at most `--output-tokens` each (answers end at EOS, as served; greedy,
+so every configuration emits the same tokens):
+    copy   rewrite a given text or code with small changes (four text edits, four code edits:
+           the answer copies from the prompt, where n-gram drafts are accepted)
     chat   open questions (little to copy)
 Configurations (`--configs`): off, ngram (`--ngram` JSON), draft (a self-draft, `--draft`
 JSON). Each workload runs at batch 1 (one request at a time) and batch 8 (eight at once):
@@ -44,14 +44,15 @@ TEXT = ("The river bends around the old mill where the miller's family kept the 
         "spring the water rose to the third stone of the wall, and each autumn the ledgers were carried up to "
         "the loft so that no flood could reach them.")
 COPY_ASKS = [
-    f"Rewrite this function, renaming `values` to `data`. Keep everything else the same.\n\n{CODE}",
-    f"Rewrite this function with `window` renamed to `size`.\n\n{CODE}",
     f"Copy the following paragraph, changing 'river' to 'stream':\n\n{TEXT}",
+    f"Rewrite this function, renaming `values` to `data`. Keep everything else the same.\n\n{CODE}",
     f"Repeat this text exactly:\n\n{TEXT}",
+    f"Rewrite this function with `window` renamed to `size`.\n\n{CODE}",
+    "Correct the spelling in this text and return it: "
+    + TEXT.replace("river", "rivr").replace("harvest", "harvst").replace("autumn", "autum"),
     f"Add type hints to this function and return it in full:\n\n{CODE}",
-    f"Continue this text by repeating it once more:\n\n{TEXT}\n\n{TEXT}",
-    f"Fix the docstring of this function to say 'trailing' and return the whole function:\n\n{CODE}",
     f"Copy this paragraph and then summarize it:\n\n{TEXT}",
+    f"Convert this function to use a for loop over range(len(values)) and return it:\n\n{CODE}",
 ]
 CHAT_ASKS = [
     "What are three good habits for a healthy life?", "Write a short poem about autumn.",
@@ -82,7 +83,7 @@ def decode_run(engine, prompts: list[list[int]], batch: int, out_tokens: int) ->
     """Prompts in waves of `batch`; decode tokens/s over every wave, the outputs, the acceptance."""
     from engine.request import SamplingParams
 
-    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=out_tokens)
     tokens, seconds, outputs = 0, 0.0, []
     for i in range(0, len(prompts), batch):
         reqs = [engine.add_request(p, params) for p in prompts[i:i + batch]]
@@ -126,8 +127,8 @@ def main(args: argparse.Namespace) -> int:
     workloads = {"copy": _prompts(loaded.tokenizer, COPY_ASKS[:args.prompts]),
                  "chat": _prompts(loaded.tokenizer, CHAT_ASKS[:args.prompts])}
     results: dict = {}
-    print(f"{len(workloads['copy'])} prompts per workload, {args.output_tokens} output tokens each (greedy, EOS "
-          f"ignored), {args.threads} threads, float32", flush=True)
+    print(f"{len(workloads['copy'])} prompts per workload, at most {args.output_tokens} output tokens each (greedy, "
+          f"to EOS), {args.threads} threads, float32", flush=True)
     for wl, prompts in workloads.items():
         for batch in batches:
             for cfg in configs:

@@ -13,9 +13,10 @@ an error).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.json_flag import json_object
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 FAILURE_POLICIES = ("recompute", "fail")
@@ -62,16 +63,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parse the flag's JSON; ValueError with a one-line message for anything wrong."""
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {err}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown keys {unknown}; known: {sorted(known)}")
+        obj = json_object(text, "--kv-transfer-config", cls.__dataclass_fields__)
         if not obj.get("kv_connector"):
             raise ValueError("--kv-transfer-config: kv_connector is required")
         try:

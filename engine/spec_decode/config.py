@@ -6,8 +6,9 @@ norm and LM head (early exit), sharing the target's paged KV cache (see `draft.p
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from engine.json_flag import json_object
 
 METHODS = ("ngram", "draft_model")
 
@@ -23,7 +24,7 @@ class SpeculativeConfig:
     # k + 1 tokens of every request) and proposals are accepted: no proposals while more than
     # this many requests decode, and none for a request whose recent acceptance is below
     # `min_acceptance` (it tries again after `backoff_steps` steps).
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 2       # measured: docs/BENCHMARKS.md "Speculative decoding"
     min_acceptance: float = 0.3
     backoff_steps: int = 16
 
@@ -47,16 +48,8 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """From the JSON of `--speculative-config`; ValueError with a one-line message."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
         known = {f.name: f.type for f in fields(cls)}
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ValueError(f"--speculative-config: unknown keys {unknown} (known: {sorted(known)})")
+        raw = json_object(text, "--speculative-config", known)
         for k, v in raw.items():
             want = {"str": str, "int": int, "float": (int, float)}[known[k]]
             if not isinstance(v, want) or isinstance(v, bool):

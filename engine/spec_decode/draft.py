@@ -22,6 +22,9 @@ from engine.spec_decode.proposer import Proposal
 
 
 class SelfDraftProposer:
+    prior_acceptance = 0.5   # a failed try costs k draft passes: pause after the first
+    costly = True
+
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, num_layers: int = 0) -> None:
         total = len(model.layers)
         self.num_layers = num_layers or max(1, total // 4)

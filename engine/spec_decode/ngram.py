@@ -12,6 +12,9 @@ from engine.spec_decode.proposer import Proposal
 
 
 class NgramProposer:
+    prior_acceptance = 1.0   # a failed lookup costs a few verified tokens: give it two tries
+    costly = False
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 

@@ -14,7 +14,9 @@ from engine.spec_decode.rejection import verify
 from tests.engine.conftest import PARAGRAPH, make_engine, run_all, varied_prompts
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=False)
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+# speculating in batches of up to 4 too (the default stops at 2): the batched verify pass is tested
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2,
+                          disable_by_batch_size=64)
 
 
 # ---- proposers and config -------------------------------------------------------------
@@ -31,7 +33,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "medusa"}', "method"),
+    ("{", "not valid JSON"), ("[1]", "JSON object"), ('{"method": "medusa"}', "method"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens"), ('{"bogus": 1}', "unknown keys"),
     ('{"num_speculative_tokens": "4"}', "must be int"), ('{"prompt_lookup_min": 5, "prompt_lookup_max": 4}', "lookup"),
 ])
@@ -162,7 +164,8 @@ def test_speculation_with_prefix_hits_chunked_prefill_and_preemption(loaded, pla
 
 def test_greedy_self_draft_is_token_for_token_plain_decoding(loaded, plain) -> None:  # noqa: ANN001
     prompts, expected = plain
-    cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, draft_num_layers=10, min_acceptance=0.0)
+    cfg = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, draft_num_layers=10, min_acceptance=0.0,
+                            disable_by_batch_size=64)
     engine = make_engine(loaded, max_num_seqs=4, speculative_config=cfg)
     outs = run_all(engine, prompts[::2], GREEDY)
     assert [o.token_ids for o in outs] == expected[::2]
@@ -175,7 +178,7 @@ def test_sampled_requests_speculate_and_stay_in_range(loaded) -> None:  # noqa: 
     prompts = copy_prompts(loaded.tokenizer)
     params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=7)
     for cfg in (NGRAM, SpeculativeConfig(method="draft_model", num_speculative_tokens=2, draft_num_layers=10,
-                                         min_acceptance=0.0)):
+                                         min_acceptance=0.0, disable_by_batch_size=64)):
         engine = make_engine(loaded, speculative_config=cfg)
         outs = run_all(engine, prompts, params)
         assert all(1 <= len(o.token_ids) <= 40 for o in outs)
@@ -190,7 +193,7 @@ def test_speculation_switches_off_for_large_batches_and_low_acceptance(loaded) -
     s = engine.stats()
     assert s["spec_verify_steps"] == 0 and s["spec_batch_off_steps"] > 0
     # a proposer that is always wrong: after a few rejections the request backs off
-    cfg = SpeculativeConfig(min_acceptance=0.5, backoff_steps=1000)
+    cfg = SpeculativeConfig(min_acceptance=0.5, backoff_steps=1000, disable_by_batch_size=64)
     engine = make_engine(loaded, speculative_config=cfg)
     engine.speculator.proposer = type("Wrong", (), {"propose": lambda self, toks, k: _wrong(k)})()
     outs = run_all(engine, prompts[:1], GREEDY)
@@ -202,3 +205,19 @@ def _wrong(k: int):  # noqa: ANN202
     from engine.spec_decode.proposer import Proposal
 
     return Proposal([49151] * k)   # a token the model never picks here
+
+
+def test_a_costly_proposer_that_never_pays_stops_being_tried_for_new_requests(loaded) -> None:  # noqa: ANN001
+    """The engine-wide acceptance (costly proposers): after a few requests whose drafts all
+    fail, a new request starts paused and verifies nothing."""
+    from engine.spec_decode.speculator import Speculator
+
+    cfg = SpeculativeConfig(min_acceptance=0.3, backoff_steps=1000)
+    engine = make_engine(loaded, speculative_config=cfg)
+    wrong = type("CostlyWrong", (), {"costly": True, "propose": lambda self, toks, k: _wrong(k)})()
+    engine.scheduler.speculator = engine.speculator = Speculator(cfg, wrong, engine.max_model_len)
+    prompt = loaded.tokenizer.encode("Once upon a time")
+    outs = [run_all(engine, [prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0] for _ in range(6)]
+    assert outs[0].spec_steps >= 1
+    assert outs[-1].spec_steps == 0
+    assert all(o.token_ids == outs[0].token_ids for o in outs)

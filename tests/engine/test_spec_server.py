@@ -40,7 +40,7 @@ def test_speculating_server_answers_like_plain_decoding_and_reports_acceptance(l
     assert values["kvpool:engine_spec_mean_accepted_length"] > 1
 
 
-@pytest.mark.parametrize("config,needle", [("{", "not JSON"), ('{"method": "eagle"}', "method"),
+@pytest.mark.parametrize("config,needle", [("{", "not valid JSON"), ('{"method": "eagle"}', "method"),
                                            ('{"k": 4}', "unknown keys")])
 def test_bad_speculative_config_is_a_one_line_error(config: str, needle: str) -> None:
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "serve", "--port", "1", "--speculative-config", config],
