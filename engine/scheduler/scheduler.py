@@ -149,6 +149,8 @@ class Scheduler:
                     continue
                 num_new = budget
             drafts = tuple(req.spec_token_ids[:budget - 1]) if num_new == 1 else ()
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is None:
+                drafts = ()  # drafts never preempt anyone: without free blocks for them, a plain step
             if not self._allocate_or_preempt(req, num_new + len(drafts), scheduled, out):
                 continue
             if drafts:
