@@ -17,7 +17,7 @@ from engine.kv_cache import PagedKVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaModel
 from engine.request import Request
-from engine.sampler import target_probs
+from engine.probs import target_probs
 from engine.spec_decode.proposer import Proposal
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import target_probs
+from engine.probs import target_probs
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.rejection import verify
