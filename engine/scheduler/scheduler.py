@@ -262,8 +262,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=frozenset(self._finished_ids))
         self._finished_ids.clear()
-        if self.speculator is not None:
-            self.speculator.propose(self.running)
         remote = self.remote
         if remote is not None and self.config.kv_load_wait_s > 0:
             started = self._load_ahead()
@@ -271,6 +269,8 @@ class Scheduler:
                 out.loads_to_wait, out.load_wait_s = started, self.config.kv_load_wait_s
                 out.kv_connector_metadata = remote.connector.build_connector_meta(out)
                 return out
+        if self.speculator is not None:  # after load-ahead: a step that computes nothing drafts nothing
+            self.speculator.propose(self.running)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
