@@ -40,10 +40,10 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 class Router:
     def __init__(self, backends: Backends, policy: Policy, hasher: PromptHasher | None,
                  prefix_wait_s: float = 10.0, prefix_wait_blocks: int = 2) -> None:
-        """`prefix_wait_s`, `prefix_wait_blocks`: a request sent to a node where another one
-        with at least that many leading blocks in common is still in its prefill waits (at
-        most that long) for the other's first byte, so it hits the prefix there instead of
-        computing it a second time beside it in the same batch."""
+        """`prefix_wait_s`, `prefix_wait_blocks`: a request that has at least that many leading
+        blocks (and half of its own) in common with another one still in its prefill waits (at
+        most that long) for the other's first byte before it is routed, so it hits the prefix
+        (on that node, or pulled from its pool) instead of computing it a second time beside it."""
         self.backends = backends
         self.policy = policy
         self.hasher = hasher
@@ -80,6 +80,8 @@ class Router:
             if not nodes:
                 self.errors += 1
                 return error_response(503, f"no node could take the request ({last})", "server_error")
+            if not tried:
+                await self._wait_for_shared_prefix(chain)
             choice = policy.choose(nodes, chain)
             node = choice.node
             if tried:
@@ -90,8 +92,7 @@ class Router:
             mine = self._hold(node, chain, policy)
             progress = _Progress(mine[1].set if mine is not None else None)
             try:
-                if mine is not None:
-                    await self._wait_for_shared_prefix(node, chain, mine)
+                await self._wait_for_shared_prefix(chain, mine, node)
                 resp = await self._forward(request, node, body, headers, backends, choice, progress)
             except _NotAccepted as err:
                 last = f"{node.url}: {err}"
@@ -123,23 +124,33 @@ class Router:
         if entry in pending:
             pending.remove(entry)
 
-    async def _wait_for_shared_prefix(self, node: Backend, chain: Chain | None,
-                                      mine: tuple[tuple[bytes, ...], asyncio.Event]) -> None:
-        """Wait for the first byte of an earlier request on `node` that shares at least
-        `prefix_wait_blocks` leading blocks with this one (the longest such share)."""
-        assert chain is not None
+    async def _wait_for_shared_prefix(self, chain: Chain | None,
+                                      mine: tuple[tuple[bytes, ...], asyncio.Event] | None = None,
+                                      node: Backend | None = None) -> None:
+        """Wait for the first byte of an earlier request that shares at least
+        `prefix_wait_blocks` leading blocks, and at least half of its own, with this one (the
+        longest such share) and is still
+        in its prefill: on `node`, or on any node when None. Before a choice (node None) this
+        keeps a request from computing a prefix beside the one computing it elsewhere: once the
+        other's first token is out, the policy sees the prefix where it was computed (a local
+        hit there, a pull from anywhere else) instead of a recompute."""
+        if chain is None or not chain.hashes or self.prefix_wait_s <= 0:
+            return
+        urls = [node.url] if node is not None else list(self._prefilling)
         best, event = 0, None
-        for hashes, ev in self._prefilling.get(node.url, []):
-            if ev is mine[1] or ev.is_set():
-                continue
-            shared = 0
-            for a, b in zip(hashes, chain.hashes):
-                if a != b:
-                    break
-                shared += 1
-            if shared > best:
-                best, event = shared, ev
-        if event is None or best < self.prefix_wait_blocks or self.prefix_wait_s <= 0:
+        for url in urls:
+            for hashes, ev in self._prefilling.get(url, []):
+                if (mine is not None and ev is mine[1]) or ev.is_set():
+                    continue
+                shared = 0
+                for a, b in zip(hashes, chain.hashes):
+                    if a != b:
+                        break
+                    shared += 1
+                if shared > best:
+                    best, event = shared, ev
+        # A share of a few leading blocks (a system prompt) is not worth a whole prefill's wait.
+        if event is None or best < self.prefix_wait_blocks or 2 * best < len(chain.hashes):
             return
         self.prefix_waits += 1
         try:

@@ -38,8 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1; "
                         "on loopback TCP a pull costs a few %% of a recompute)")
     p.add_argument("--prefix-wait", type=float, default=10.0,
-                   help="prefix: a request sent where another with the same leading blocks is still in its prefill "
-                        "waits up to this long (s) for the other's first token, then hits the prefix (0 = never wait)")
+                   help="prefix: a request whose leading blocks (half of its prompt or more) another one is still "
+                        "computing waits up to this long (s) for the other's first token before it is routed, "
+                        "then hits the prefix (0 = never wait)")
     p.add_argument("--probe-interval", type=float, default=1.0, help="seconds between health probes of the nodes")
     p.add_argument("--startup-timeout", type=float, default=120.0,
                    help="prefix: wait this long for every node's /kv_layout at start (with --discover and no "

@@ -84,6 +84,8 @@ class PDRouter(Router):
             if not nodes:
                 log.warning("no prefill node could take a request; its decode node computes the prompt")
                 return None
+            if not tried:
+                await self._wait_for_shared_prefix(chain)
             choice = self.prefill_policy.choose(nodes, chain)
             node = choice.node
             tried.add(node.url)
@@ -91,8 +93,7 @@ class PDRouter(Router):
             node.prefilling += choice.compute_tokens
             mine = self._hold(node, chain, self.prefill_policy)
             try:
-                if mine is not None:
-                    await self._wait_for_shared_prefix(node, chain, mine)
+                await self._wait_for_shared_prefix(chain, mine, node)
                 status, answer = await self._post(node, path, data, headers)
             finally:
                 node.in_flight -= 1

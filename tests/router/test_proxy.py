@@ -105,6 +105,11 @@ async def scripted_cluster(policy: str = "round-robin") -> AsyncIterator:
         await u.server.close()
 
 
+async def until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
 def run(test: Callable[..., Awaitable[None]], policy: str = "round-robin") -> None:
     """Run an async test body with a fresh scripted cluster (no asyncio plugin needed)."""
     async def main() -> None:
@@ -251,6 +256,38 @@ def test_a_request_waits_for_its_prefix_being_computed_on_its_node() -> None:
         results = await asyncio.gather(first, second, other)
         assert [status for status, _, _ in results] == [200, 200, 200]
         assert results[0][2]["x-kvpool-node"] == results[1][2]["x-kvpool-node"]  # where the prefix was computed
+        assert router.prefix_waits == 1
+
+    run(body, "prefix")
+
+
+def test_a_request_waits_for_its_prefix_being_computed_elsewhere_before_it_is_routed() -> None:
+    """Prefix policy: the node computing a 20-block prefix is now the busiest, so the policy
+    would send a second request with the same prefix to another node and compute it there
+    again; it is held before the choice until the first's first byte instead. A request that
+    shares only 2 of its 20 blocks (a system prompt's worth) is not held."""
+    async def body(cluster) -> None:  # noqa: ANN001
+        url, ups, router = cluster
+        ups[0].mode = "hold_first"
+        router.backends.nodes[1].external = router.backends.nodes[2].external = 20  # the first goes to a
+        shared = " ".join(f"w{i}" for i in range(20))
+        first = asyncio.create_task(post(url, {"prompt": shared + " x", "stream": True}))
+        while not ups[0].seen:
+            await asyncio.sleep(0.01)
+        router.backends.nodes[0].external = 20          # now a is the busy one
+        router.backends.nodes[1].external = router.backends.nodes[2].external = 0
+        second = asyncio.create_task(post(url, {"prompt": shared + " y", "stream": True}))
+        await asyncio.wait_for(until(lambda: router.prefix_waits >= 1), 10)
+        short = asyncio.create_task(post(url, {"prompt": "w0 w1 " + "s " * 18, "stream": True}))
+        while sum(len(u.seen) for u in ups) < 2:  # the short share is routed meanwhile
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        sent = [b["prompt"] for u in ups for b in u.seen]
+        assert shared + " y" not in sent and router.prefix_waits == 1
+        assert not second.done()
+        ups[0].release.set()
+        results = await asyncio.gather(first, second, short)
+        assert [status for status, _, _ in results] == [200, 200, 200]
         assert router.prefix_waits == 1
 
     run(body, "prefix")
