@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from engine import layer_ops
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig
@@ -52,47 +53,60 @@ def _onednn_available() -> bool:
 class Linear:
     """y = x @ weight.T, no bias. On CPU in float32 the weight is packed once for oneDNN, which
     ran 1.3-2.5x faster than F.linear (MKL sgemm) at decode batch sizes on this AVX2 machine
-    (the 49k-row LM head most); elsewhere, or with use_onednn=False, it is F.linear."""
+    (the 49k-row LM head most); elsewhere, or with use_onednn=False, it is F.linear. With
+    `gemv` (and the C layer ops built) the plain weight is kept as well, and batches of at most
+    `layer_ops.GEMV_ROWS` rows (decode at small batch) stream it through the C GEMV instead:
+    there a linear is bound by reading its weights, which that kernel does closer to the
+    memory's bandwidth than oneDNN's GEMM (docs/BENCHMARKS.md); costs a second copy of the weight."""
 
-    def __init__(self, weight: torch.Tensor, use_onednn: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, use_onednn: bool = True, gemv: bool = False) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
+        self.gemv = gemv and layer_ops.usable(weight) and weight.is_contiguous()
         if use_onednn and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-            self.weight = None  # the packed copy replaces it
+            if not self.gemv:
+                self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv and 0 < x.shape[0] <= layer_ops.GEMV_ROWS and x.stride(-1) == 1:
+            return layer_ops.gemv(x, self.weight)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, use_onednn: bool = True) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, use_onednn: bool = True,
+                 gemv: bool = False) -> None:
         get = lambda name: w[prefix + name].to(dtype)  # noqa: E731
         self.in_norm = get("input_layernorm.weight")
         self.post_norm = get("post_attention_layernorm.weight")
         self.qkv = Linear(torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
-                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn)
-        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn)
+                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, gemv)
+        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, gemv)
         self.gate_up = Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous(),
-                              use_onednn)
-        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn)
+                              use_onednn, gemv)
+        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, gemv)
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, attention: AttentionFn, use_onednn: bool = True) -> None:
+                 device: torch.device, attention: AttentionFn, use_onednn: bool = True,
+                 fused_ops: bool = True) -> None:
+        """`fused_ops`: on CPU in float32, the elementwise steps run as fused C calls
+        (engine/layer_ops.py) where that library builds; False keeps the torch ops."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.attention = attention
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
-        self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn)
+        gemv = fused_ops and device.type == "cpu" and dtype == torch.float32
+        self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn, gemv)
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
-                             f"model.layers.{i}.", dtype, use_onednn) for i in range(config.num_layers)]
+                             f"model.layers.{i}.", dtype, use_onednn, gemv) for i in range(config.num_layers)]
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
         t = torch.arange(config.max_position, dtype=torch.float32, device=device)
@@ -101,12 +115,15 @@ class LlamaModel:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.sin_signed = torch.cat((-self.sin[:, :hd // 2], self.sin[:, hd // 2:]), dim=-1)
         self.scale = hd ** -0.5
+        self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """Run the batch; returns fp32 logits for the tokens at `logits_indices`. `num_layers`: only
         the first that many layers, then the final norm and LM head (a self-draft's early exit)."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, cache, meta, logits_indices, num_layers)
         c = self.config
         n = input_ids.shape[0]
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
@@ -127,4 +144,33 @@ class LlamaModel:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h.add_(layer.down(F.silu(gate).mul_(up)))
         h = rms_norm(h[logits_indices], self.norm, c.rms_eps)
+        return self.lm_head(h).float()
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                       meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None) -> torch.Tensor:
+        """`forward` with the elementwise steps fused (engine/layer_ops.py): each residual add is
+        folded into the next RMSNorm, RoPE runs in place on the QKV projection's output."""
+        c = self.config
+        n = input_ids.shape[0]
+        if n and int(positions.max()) >= self.cos.shape[0]:
+            raise IndexError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+        positions = positions.contiguous()
+        h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
+        for i, layer in enumerate(self.layers[:num_layers]):
+            x = (layer_ops.rms_norm(h, layer.in_norm, c.rms_eps) if delta is None
+                 else layer_ops.add_rms_norm(h, delta, layer.in_norm, c.rms_eps))
+            qkv = layer.qkv(x)
+            qk = qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+            layer_ops.rope_(qk, positions, self.cos, self.sin_signed)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
+            cache.write(i, meta.slot_block_ids, meta.slot_offsets, k, v)
+            attn = self.attention(q, cache, i, meta, self.scale)
+            x = layer_ops.add_rms_norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm, c.rms_eps)
+            delta = layer.down(layer_ops.silu_mul(layer.gate_up(x)))
+        if delta is not None:
+            h.add_(delta)
+        h = layer_ops.rms_norm(h[logits_indices], self.norm, c.rms_eps)
         return self.lm_head(h).float()

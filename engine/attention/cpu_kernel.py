@@ -52,25 +52,26 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _library_path(compiler: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
+def _library_path(compiler: str, source: Path) -> Path:
+    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
                          + _cpu_flags().encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
-    return root / key.hexdigest()[:16] / "paged_decode.so"
+    return root / key.hexdigest()[:16] / f"{source.stem}.so"
 
 
-def build() -> ctypes.CDLL:
-    """Compile (if not cached) and load the library; KernelBuildError if that fails."""
+def build(source: Path = SOURCE) -> ctypes.CDLL:
+    """Compile `source` (if not cached) and load the library; KernelBuildError if that fails.
+    Other C sources of the engine (engine/layer_ops.py) are built the same way."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelBuildError("no C compiler (cc or $CC) on PATH")
-    lib = _library_path(compiler)
+    lib = _library_path(compiler, source)
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent builders never load a half-written file.
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            for cmd in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            for cmd in ([compiler, *FLAGS, "-c", str(source), "-o", str(obj)],
                         [compiler, str(obj), *LINK_FLAGS, "-o", str(so)]):
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:

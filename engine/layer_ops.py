@@ -1,0 +1,114 @@
+"""Fused elementwise steps of a decoder layer on CPU (csrc/layer_ops.c), called via ctypes.
+
+RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-multiply, float32, each one C call
+instead of 3-6 torch ops: at decode batch sizes those ops cost their dispatch, not their
+arithmetic. Built like the decode attention kernel (`engine.attention.cpu_kernel.build`).
+`usable(...)` says whether a call may take this path (CPU, float32, contiguous rows, the
+library built); engine/model.py falls back to its torch ops otherwise. The results agree with
+the torch formulas to float32 rounding (a different summation order), not to the bit.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.attention.cpu_kernel import KernelBuildError, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
+MAX_HEAD_DIM = 512  # the C source's scratch row
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
+    "gemv_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
+}
+GEMV_MAX_ROWS = 8  # the C source's bound
+# Up to this many rows the C GEMV beat oneDNN's packed GEMM on this machine (weights streamed at
+# ~28-31 GB/s against ~19-23); from 6 rows on oneDNN was faster (docs/BENCHMARKS.md).
+GEMV_ROWS = 4
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where it cannot be built (logged once)."""
+    global _lib, _failed
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                lib = build(SOURCE)
+            except KernelBuildError as e:
+                _failed = str(e)
+                log.warning("C layer ops unavailable, using torch ops: %s", e)
+                return None
+            for name, args in _SIGNATURES.items():
+                getattr(lib, name).argtypes = args
+                getattr(lib, name).restype = None
+            _lib = lib
+        return _lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """CPU float32 tensors whose last dimension is contiguous, and the library built."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors) \
+        and library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [n, dim] contiguous -> a new [n, dim] tensor."""
+    lib = library()
+    assert lib is not None and x.is_contiguous()
+    out = torch.empty_like(x)
+    lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta in place (both [n, dim] contiguous); returns rms_norm(h) in a new tensor."""
+    lib = library()
+    assert lib is not None and h.is_contiguous() and delta.is_contiguous() and h.shape == delta.shape
+    out = torch.empty_like(h)
+    lib.add_rms_norm_f32(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), h.shape[0],
+                         h.shape[1], eps)
+    return out
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """RoPE in place on x: [n, heads, head_dim] (heads and dims contiguous, any row stride);
+    positions: int64 [n]; cos / sin_signed: [max_position, head_dim] contiguous tables."""
+    lib = library()
+    n, heads, hd = x.shape
+    assert lib is not None and x.stride(2) == 1 and x.stride(1) == hd and hd <= MAX_HEAD_DIM
+    assert positions.dtype == torch.int64 and positions.is_contiguous() and cos.is_contiguous()
+    lib.rope_f32(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), n, heads, hd)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [n, 2 * inter] contiguous -> silu(gate) * up, a new [n, inter] tensor."""
+    lib = library()
+    assert lib is not None and gate_up.is_contiguous()
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), dtype=gate_up.dtype)
+    lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), n, inter)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [m, in] (m <= GEMV_MAX_ROWS, last dim contiguous), weight: [out, in] contiguous -> x @ weight.T."""
+    lib = library()
+    m, k = x.shape
+    assert lib is not None and 0 < m <= GEMV_MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous()
+    assert weight.shape[1] == k
+    out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
+    lib.gemv_f32(weight.data_ptr(), weight.shape[0], k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
+    return out

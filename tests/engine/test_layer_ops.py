@@ -1,0 +1,107 @@
+"""The fused C layer ops (engine/layer_ops.py) against the torch formulas they replace, and the
+engine with them against the engine without them (the greedy-equality tests against
+transformers in test_correctness.py run the fused path: it is the default on CPU float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import layer_ops
+from engine.model import Linear, apply_rope, rms_norm
+from engine.request import SamplingParams
+from tests.engine.conftest import make_engine, run_all, varied_prompts
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    from engine.attention.cpu_kernel import build
+
+    build(layer_ops.SOURCE)  # raises if it cannot build: never a silent fall back to the torch ops
+    assert layer_ops.library() is not None
+
+
+def test_rms_norm_and_residual_add() -> None:
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 40):   # 40 rows: the OpenMP path
+        x, w = torch.randn(n, 576, generator=g), torch.randn(576, generator=g)
+        assert torch.allclose(layer_ops.rms_norm(x, w, 1e-5), rms_norm(x.clone(), w, 1e-5), **TOL)
+        h, d = torch.randn(n, 576, generator=g), torch.randn(n, 576, generator=g)
+        want_h = h + d
+        got = layer_ops.add_rms_norm(h, d, w, 1e-5)
+        assert torch.allclose(h, want_h, **TOL)     # the residual stream is updated in place
+        assert torch.allclose(got, rms_norm(want_h, w, 1e-5), **TOL)
+
+
+def test_rope_in_place_on_strided_rows() -> None:
+    g = torch.Generator().manual_seed(1)
+    hd, n = 64, 37
+    inv = 1.0 / (100000 ** (torch.arange(0, hd, 2).float() / hd))
+    emb = torch.outer(torch.arange(8192).float(), inv)
+    emb = torch.cat((emb, emb), -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin_signed = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), -1)
+    pos = torch.randint(0, 8192, (n,), generator=g)
+    qkv = torch.randn(n, 15 * hd, generator=g)      # 12 heads roped, 3 more (V) after them in each row
+    x = qkv[:, :12 * hd].view(n, 12, hd)             # row stride 15 * hd
+    want = apply_rope(x, cos[pos][:, None], sin_signed[pos][:, None])
+    wrong = apply_rope(x, cos[pos][:, None], -sin_signed[pos][:, None])
+    v_before = qkv[:, 12 * hd:].clone()
+    layer_ops.rope_(x, pos, cos, sin_signed)
+    assert torch.allclose(x, want, **TOL) and not torch.allclose(x, wrong, **TOL)
+    assert torch.equal(qkv[:, 12 * hd:], v_before)  # the rest of each row untouched
+
+
+def test_silu_mul() -> None:
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 3, 33):
+        gu = torch.randn(n, 2 * 1536, generator=g) * 4
+        gate, up = gu.chunk(2, dim=-1)
+        assert torch.allclose(layer_ops.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_dim", [576, 100])   # 100: a tail past the 16-float vectors
+def test_gemv_matches_matmul(m: int, in_dim: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + in_dim)
+    w = torch.randn(333, in_dim, generator=g)
+    x = torch.randn(m, in_dim + 7, generator=g)[:, :in_dim]   # rows in_dim + 7 apart
+    assert torch.allclose(layer_ops.gemv(x, w), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_takes_the_gemv_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 96, generator=g)
+    lin = Linear(w, gemv=True)
+    calls: list[int] = []
+    real = layer_ops.gemv
+    monkeypatch.setattr(layer_ops, "gemv", lambda x, weight: calls.append(x.shape[0]) or real(x, weight))
+    for n in (1, layer_ops.GEMV_ROWS, layer_ops.GEMV_ROWS + 1, 64):
+        x = torch.randn(n, 96, generator=g)
+        assert torch.allclose(lin(x), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert calls == [1, layer_ops.GEMV_ROWS]
+
+
+@pytest.mark.slow
+def test_engine_with_and_without_the_fused_ops(loaded) -> None:  # noqa: ANN001
+    """Same greedy tokens, log-probs within float32 noise, with the fused ops on and off
+    (prefill chunks, batched decode and batch-1 decode all run)."""
+    prompts = varied_prompts(loaded.tokenizer)[:8]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
+    fused = make_engine(loaded, max_num_batched_tokens=256)
+    assert fused.model.fused and fused.model.layers[0].qkv.gemv
+    plain = make_engine(loaded, max_num_batched_tokens=256)
+    plain.model.fused = False
+    for layer in plain.model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            lin.gemv = False
+    plain.model.lm_head.gemv = False
+    got, want = run_all(fused, prompts, params), run_all(plain, prompts, params)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            for tok in la:
+                assert abs(la[tok] - lb[tok]) < 1e-3
+    solo = run_all(fused, prompts[:1], params)[0]   # batch 1: every decode linear on the GEMV
+    assert solo.token_ids == want[0].token_ids
