@@ -34,10 +34,11 @@ _SIGNATURES = {
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "gemv_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
 }
-GEMV_MAX_ROWS = 8  # the C source's bound
-# Up to this many rows the C GEMV beat oneDNN's packed GEMM on this machine (weights streamed at
-# ~28-31 GB/s against ~19-23); from 6 rows on oneDNN was faster (docs/BENCHMARKS.md).
-GEMV_ROWS = 4
+GEMV_MAX_ROWS, GEMV_PANEL = 8, 32  # the C source's bounds
+# Up to this many rows (all the C kernel takes) the panel GEMV beat oneDNN's packed GEMM on this
+# machine at every row count measured (1-8: weights streamed at ~27-31 GB/s against ~19-24;
+# docs/BENCHMARKS.md).
+GEMV_ROWS = 8
 
 
 def library() -> ctypes.CDLL | None:
@@ -103,12 +104,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [m, in] (m <= GEMV_MAX_ROWS, last dim contiguous), weight: [out, in] contiguous -> x @ weight.T."""
+def pack_gemv(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the panels `gemv` reads: [out / GEMV_PANEL, in, GEMV_PANEL], contiguous
+    (out must be a multiple of GEMV_PANEL: see `gemv_packable`)."""
+    out_dim, in_dim = weight.shape
+    return weight.view(out_dim // GEMV_PANEL, GEMV_PANEL, in_dim).transpose(1, 2).contiguous()
+
+
+def gemv_packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] % GEMV_PANEL == 0 and usable(weight)
+
+
+def gemv(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x: [m, in] (m <= GEMV_MAX_ROWS, last dim contiguous), panels: `pack_gemv(weight)` -> x @ weight.T."""
     lib = library()
     m, k = x.shape
-    assert lib is not None and 0 < m <= GEMV_MAX_ROWS and x.stride(1) == 1 and weight.is_contiguous()
-    assert weight.shape[1] == k
-    out = torch.empty((m, weight.shape[0]), dtype=torch.float32)
-    lib.gemv_f32(weight.data_ptr(), weight.shape[0], k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
+    assert lib is not None and 0 < m <= GEMV_MAX_ROWS and x.stride(1) == 1 and panels.is_contiguous()
+    assert panels.shape[1] == k and panels.shape[2] == GEMV_PANEL
+    out_dim = panels.shape[0] * GEMV_PANEL
+    out = torch.empty((m, out_dim), dtype=torch.float32)
+    lib.gemv_f32(panels.data_ptr(), out_dim, k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
     return out

@@ -54,23 +54,22 @@ class Linear:
     """y = x @ weight.T, no bias. On CPU in float32 the weight is packed once for oneDNN, which
     ran 1.3-2.5x faster than F.linear (MKL sgemm) at decode batch sizes on this AVX2 machine
     (the 49k-row LM head most); elsewhere, or with use_onednn=False, it is F.linear. With
-    `gemv` (and the C layer ops built) the plain weight is kept as well, and batches of at most
-    `layer_ops.GEMV_ROWS` rows (decode at small batch) stream it through the C GEMV instead:
-    there a linear is bound by reading its weights, which that kernel does closer to the
-    memory's bandwidth than oneDNN's GEMM (docs/BENCHMARKS.md); costs a second copy of the weight."""
+    `gemv` (and the C layer ops built) the weight is also packed in panels for the C GEMV, which
+    takes batches of at most `layer_ops.GEMV_ROWS` rows (decode): there a linear is bound by
+    reading its weights, which that kernel does closer to the memory's bandwidth than oneDNN's
+    GEMM (docs/BENCHMARKS.md); it costs a second copy of the weight."""
 
     def __init__(self, weight: torch.Tensor, use_onednn: bool = True, gemv: bool = False) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
-        self.gemv = gemv and layer_ops.usable(weight) and weight.is_contiguous()
+        self.panels = layer_ops.pack_gemv(weight) if gemv and layer_ops.gemv_packable(weight) else None
         if use_onednn and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-            if not self.gemv:
-                self.weight = None  # the packed copy replaces it
+            self.weight = None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and 0 < x.shape[0] <= layer_ops.GEMV_ROWS and x.stride(-1) == 1:
-            return layer_ops.gemv(x, self.weight)
+        if self.panels is not None and 0 < x.shape[0] <= layer_ops.GEMV_ROWS and x.stride(-1) == 1:
+            return layer_ops.gemv(x, self.panels)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -76,57 +76,58 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
     }
 }
 
-/* Y[r] = W @ X[r] for the m rows of X (a decode batch): W [out_dim, in_dim] row-major, read once
- * for all m rows (m <= GEMV_MAX_ROWS), output rows split over the OpenMP threads. At decode
- * batch sizes a linear layer is bound by reading its weights; this streams them at close to
- * the memory's bandwidth. X rows are x_stride apart, Y rows y_stride apart. */
+/* Y[r] = W @ X[r] for the m rows of X (m <= GEMV_MAX_ROWS: a decode batch), W packed in panels of
+ * GEMV_PANEL output rows: Wp[p][k][j] = W[p * GEMV_PANEL + j][k] (engine/layer_ops.py packs it),
+ * so each panel is one contiguous stream and no horizontal sum is needed: for each k, the
+ * panel's 32 weights (two 16-float vectors) are multiplied by X[r][k] broadcast into m x 2
+ * accumulators. Panels are split over the OpenMP threads. At decode batch sizes a linear is
+ * bound by reading its weights; this streams them at close to the memory's bandwidth. X rows
+ * are x_stride apart, Y rows y_stride apart; out_dim is a multiple of GEMV_PANEL. */
 #define GEMV_MAX_ROWS 8
+#define GEMV_PANEL 32
 typedef float v16 __attribute__((vector_size(64)));
 
-/* Output rows [o0, o1) for a fixed m (inlined per m: the accumulators stay in registers). */
-static inline __attribute__((always_inline)) void gemv_block(
-        const float *W, int64_t o0, int64_t o1, int64_t in_dim, const float *X, int64_t x_stride,
+static inline __attribute__((always_inline)) void gemv_panels(
+        const float *Wp, int64_t p0, int64_t p1, int64_t in_dim, const float *X, int64_t x_stride,
         const int64_t m, float *Y, int64_t y_stride) {
-    const int64_t vec = in_dim / 16 * 16;
-    for (int64_t o = o0; o < o1; o++) {
-        const float *w = W + o * in_dim;
-        v16 acc[GEMV_MAX_ROWS];
-        for (int64_t r = 0; r < m; r++) acc[r] = (v16){0};
-        for (int64_t k = 0; k < vec; k += 16) {
-            v16 wv;
-            __builtin_memcpy(&wv, w + k, sizeof wv);
+    for (int64_t p = p0; p < p1; p++) {
+        const float *w = Wp + p * in_dim * GEMV_PANEL;
+        v16 a0[GEMV_MAX_ROWS], a1[GEMV_MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = (v16){0};
+        for (int64_t k = 0; k < in_dim; k++) {
+            v16 w0, w1;
+            __builtin_memcpy(&w0, w + k * GEMV_PANEL, sizeof w0);
+            __builtin_memcpy(&w1, w + k * GEMV_PANEL + 16, sizeof w1);
             for (int64_t r = 0; r < m; r++) {
-                v16 xv;
-                __builtin_memcpy(&xv, X + r * x_stride + k, sizeof xv);
-                acc[r] += wv * xv;
+                const float xs = X[r * x_stride + k];
+                a0[r] += w0 * xs;
+                a1[r] += w1 * xs;
             }
         }
         for (int64_t r = 0; r < m; r++) {
-            float sum = 0.f;
-            for (int64_t l = 0; l < 16; l++) sum += acc[r][l];
-            for (int64_t k = vec; k < in_dim; k++) sum += w[k] * X[r * x_stride + k];
-            Y[r * y_stride + o] = sum;
+            __builtin_memcpy(Y + r * y_stride + p * GEMV_PANEL, &a0[r], sizeof a0[r]);
+            __builtin_memcpy(Y + r * y_stride + p * GEMV_PANEL + 16, &a1[r], sizeof a1[r]);
         }
     }
 }
 
-void gemv_f32(const float *W, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
+void gemv_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
               float *Y, int64_t y_stride) {
+    const int64_t panels = out_dim / GEMV_PANEL;
     #pragma omp parallel
     {
-        /* Contiguous output ranges per thread: each streams its own part of W. */
+        /* Contiguous panel ranges per thread: each streams its own part of Wp. */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t o0 = out_dim * t / nt, o1 = out_dim * (t + 1) / nt;
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         switch (m) {
-            case 1: gemv_block(W, o0, o1, in_dim, X, x_stride, 1, Y, y_stride); break;
-            case 2: gemv_block(W, o0, o1, in_dim, X, x_stride, 2, Y, y_stride); break;
-            case 3: gemv_block(W, o0, o1, in_dim, X, x_stride, 3, Y, y_stride); break;
-            case 4: gemv_block(W, o0, o1, in_dim, X, x_stride, 4, Y, y_stride); break;
-            case 5: gemv_block(W, o0, o1, in_dim, X, x_stride, 5, Y, y_stride); break;
-            case 6: gemv_block(W, o0, o1, in_dim, X, x_stride, 6, Y, y_stride); break;
-            case 7: gemv_block(W, o0, o1, in_dim, X, x_stride, 7, Y, y_stride); break;
-            case 8: gemv_block(W, o0, o1, in_dim, X, x_stride, 8, Y, y_stride); break;
-            default: gemv_block(W, o0, o1, in_dim, X, x_stride, m, Y, y_stride); break;
+            case 1: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 1, Y, y_stride); break;
+            case 2: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 2, Y, y_stride); break;
+            case 3: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 3, Y, y_stride); break;
+            case 4: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 4, Y, y_stride); break;
+            case 5: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 5, Y, y_stride); break;
+            case 6: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 6, Y, y_stride); break;
+            case 7: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 7, Y, y_stride); break;
+            default: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 8, Y, y_stride); break;
         }
     }
 }
