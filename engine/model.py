@@ -101,7 +101,7 @@ class LlamaModel:
         self.attention = attention
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
-        gemv = fused_ops and device.type == "cpu" and dtype == torch.float32
+        gemv = fused_ops  # where the panels apply (CPU float32, the library built): layer_ops.gemv_packable
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn, gemv)
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
@@ -120,56 +120,58 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """Run the batch; returns fp32 logits for the tokens at `logits_indices`. `num_layers`: only
-        the first that many layers, then the final norm and LM head (a self-draft's early exit)."""
-        if self.fused:
-            return self._forward_fused(input_ids, positions, cache, meta, logits_indices, num_layers)
+        the first that many layers, then the final norm and LM head (a self-draft's early exit).
+        Each sublayer's output is added to the residual stream by the next norm (`_norm`): the
+        torch ops do the same add then norm as before, the fused path does both in one call."""
         c = self.config
         n = input_ids.shape[0]
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        cos = self.cos[positions][:, None, :]  # once per pass, not per layer
-        sin = self.sin_signed[positions][:, None, :]
-        for i, layer in enumerate(self.layers[:num_layers]):
-            x = rms_norm(h, layer.in_norm, c.rms_eps)
-            qkv = layer.qkv(x)
-            # RoPE on the query and key heads together: [n, heads + kv_heads, head_dim]
-            qk = apply_rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
-            cache.write(i, meta.slot_block_ids, meta.slot_offsets, k, v)
-            attn = self.attention(q, cache, i, meta, self.scale)
-            h.add_(layer.o(attn.reshape(n, q_size)))
-            x = rms_norm(h, layer.post_norm, c.rms_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h.add_(layer.down(F.silu(gate).mul_(up)))
-        h = rms_norm(h[logits_indices], self.norm, c.rms_eps)
-        return self.lm_head(h).float()
-
-    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                       meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None) -> torch.Tensor:
-        """`forward` with the elementwise steps fused (engine/layer_ops.py): each residual add is
-        folded into the next RMSNorm, RoPE runs in place on the QKV projection's output."""
-        c = self.config
-        n = input_ids.shape[0]
-        if n and int(positions.max()) >= self.cos.shape[0]:
-            raise IndexError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
-        positions = positions.contiguous()
-        h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        rope_args = self._rope_args(positions)  # once per pass, not per layer
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
         for i, layer in enumerate(self.layers[:num_layers]):
-            x = (layer_ops.rms_norm(h, layer.in_norm, c.rms_eps) if delta is None
-                 else layer_ops.add_rms_norm(h, delta, layer.in_norm, c.rms_eps))
+            x = self._norm(h, delta, layer.in_norm)
             qkv = layer.qkv(x)
-            qk = qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-            layer_ops.rope_(qk, positions, self.cos, self.sin_signed)
+            # RoPE on the query and key heads together: [n, heads + kv_heads, head_dim]
+            qk = self._rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), rope_args)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
             cache.write(i, meta.slot_block_ids, meta.slot_offsets, k, v)
             attn = self.attention(q, cache, i, meta, self.scale)
-            x = layer_ops.add_rms_norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm, c.rms_eps)
-            delta = layer.down(layer_ops.silu_mul(layer.gate_up(x)))
+            x = self._norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm)
+            delta = layer.down(self._silu_mul(layer.gate_up(x)))
         if delta is not None:
             h.add_(delta)
-        h = layer_ops.rms_norm(h[logits_indices], self.norm, c.rms_eps)
+        h = self._norm(h[logits_indices], None, self.norm)
         return self.lm_head(h).float()
+
+    # The elementwise steps: fused C calls (engine/layer_ops.py) or torch ops, per `self.fused`.
+
+    def _rope_args(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.fused:
+            return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+        # The C op indexes the tables itself: check what the torch indexing would have refused.
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise IndexError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
+        return positions.contiguous(), self.cos, self.sin_signed
+
+    def _rope(self, qk: torch.Tensor, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if not self.fused:
+            return apply_rope(qk, *args)
+        layer_ops.rope_(qk, *args)  # in place on the QKV projection's output
+        return qk
+
+    def _norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """h += delta (if any), in place; returns rms_norm(h) * weight."""
+        eps = self.config.rms_eps
+        if self.fused:
+            return layer_ops.rms_norm(h, weight, eps) if delta is None else layer_ops.add_rms_norm(h, delta, weight, eps)
+        if delta is not None:
+            h.add_(delta)
+        return rms_norm(h, weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return layer_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
