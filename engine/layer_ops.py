@@ -10,22 +10,15 @@ the torch formulas to float32 rounding (a different summation order), not to the
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from engine.attention.cpu_kernel import KernelBuildError, build
-
-log = logging.getLogger(__name__)
+from engine.attention.cpu_kernel import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
 MAX_HEAD_DIM = 512  # the C source's scratch row
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "rms_norm_f32": [_ptr, _ptr, _ptr, _i64, _i64, _f32],
@@ -41,22 +34,19 @@ GEMV_MAX_ROWS, GEMV_PANEL = 8, 32  # the C source's bounds
 GEMV_ROWS = 8
 
 
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+_library = LazyLibrary(SOURCE, _bind, "C layer ops unavailable, using torch ops")
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None where it cannot be built (logged once)."""
-    global _lib, _failed
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                lib = build(SOURCE)
-            except KernelBuildError as e:
-                _failed = str(e)
-                log.warning("C layer ops unavailable, using torch ops: %s", e)
-                return None
-            for name, args in _SIGNATURES.items():
-                getattr(lib, name).argtypes = args
-                getattr(lib, name).restype = None
-            _lib = lib
-        return _lib
+    return _library.get()
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -20,7 +20,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,9 +35,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C source's array bounds
 
-_lock = threading.Lock()
-_fn = None
-_failed: str | None = None
 
 
 class KernelBuildError(RuntimeError):
@@ -83,22 +82,45 @@ def build(source: Path = SOURCE) -> ctypes.CDLL:
         raise KernelBuildError(f"cannot load {lib}: {e}") from e
 
 
-def _function():
-    global _fn, _failed
-    with _lock:
-        if _fn is None and _failed is None:
-            try:
-                f = build().paged_decode_f32
-            except KernelBuildError as e:
-                _failed = str(e)
-                log.warning("C decode attention unavailable, using the torch path: %s", e)
-                return None
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                          ctypes.c_float]
-            f.restype = None
-            _fn = f
-        return _fn
+class LazyLibrary:
+    """`source` built and loaded on the first `get()` (thread-safe), and `bind(lib)`'s result kept
+    (the configured function or library); None where the build failed, logged once as
+    `unavailable` (what runs instead)."""
+
+    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL], Any], unavailable: str) -> None:
+        self.source, self.bind, self.unavailable = source, bind, unavailable
+        self._value: Any = None
+        self._failed: str | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        if self._value is not None:  # loaded: no lock on the hot path (every layer of every pass asks)
+            return self._value
+        with self._lock:
+            if self._value is None and self._failed is None:
+                try:
+                    lib = build(self.source)
+                except KernelBuildError as e:
+                    self._failed = str(e)
+                    log.warning("%s: %s", self.unavailable, e)
+                    return None
+                self._value = self.bind(lib)
+            return self._value
+
+
+def _bind(lib: ctypes.CDLL) -> Any:
+    f = lib.paged_decode_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    f.restype = None
+    return f
+
+
+_kernel = LazyLibrary(SOURCE, _bind, "C decode attention unavailable, using the torch path")
+
+
+def _function():  # noqa: ANN202
+    return _kernel.get()
 
 
 def available() -> bool:
