@@ -127,10 +127,9 @@ class Router:
     async def _wait_for_shared_prefix(self, chain: Chain | None,
                                       mine: tuple[tuple[bytes, ...], asyncio.Event] | None = None,
                                       node: Backend | None = None) -> None:
-        """Wait for the first byte of an earlier request that shares at least
+        """Wait for the first byte of an earlier request still in its prefill that shares at least
         `prefix_wait_blocks` leading blocks, and at least half of its own, with this one (the
-        longest such share) and is still
-        in its prefill: on `node`, or on any node when None. Before a choice (node None) this
+        longest such share): on `node`, or on any node when None. Before a choice (node None) this
         keeps a request from computing a prefix beside the one computing it elsewhere: once the
         other's first token is out, the policy sees the prefix where it was computed (a local
         hit there, a pull from anywhere else) instead of a recompute."""
