@@ -15,6 +15,7 @@ the oracle counts in vLLM's 128-token blocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import random
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from kvpool_bench.netshape import ShapingError, check_rate, shaped_pool_link
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, hash_id_oracle, load_trace,
                                     mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
@@ -120,6 +122,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="each node's own KV cache (its local prefix cache), sized like a GPU's: the requests in "
                         "flight and little more; the pool adds DRAM beside it")
     p.add_argument("--pool-size", default="2GiB", help="each node's DRAM pool (pool-on)")
+    p.add_argument("--pool-link-rate", default="",
+                   help="hold the transfer engine's loopback traffic to this rate (tc syntax: 1gbit, 10gbit) for "
+                        "the run, as a network without RDMA would; needs root and tc (kvpool_bench.netshape)")
     p.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
     p.add_argument("--urls", default="",
                    help="run against these running nodes instead (http://HOST:PORT,...; e.g. a Helm release's "
@@ -553,6 +558,32 @@ def _save(plt, fig, ax, title: str, path: Path) -> Path:  # noqa: ANN001
     return path
 
 
+def run_rounds(args: argparse.Namespace, configs: list[str], fronts: list[str], requests: list[BenchRequest]
+               ) -> tuple[list[dict[str, dict]], dict[str, list[Result]], dict[str, int]] | None:
+    """Every configuration under every front, --repeat times: the per-round summaries, the
+    first round's results and, per configuration, how many outputs equal the reference's.
+    None if a configuration could not run (the error is printed)."""
+    per_round: list[dict[str, dict]] = []
+    results: dict[str, list[Result]] = {}   # the first round's
+    same: dict[str, int] = {}               # outputs equal to pool-off's, summed over the rounds
+    for _ in range(args.repeat):
+        summaries: dict[str, dict] = {}
+        round_results: dict[str, list[Result]] = {}
+        for front in fronts:
+            for c in configs:
+                name = config_name(c, front)
+                try:
+                    summaries[name], round_results[name] = run_config(args, c, requests, front)
+                except RuntimeError as err:
+                    print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+                    return None
+        per_round.append(summaries)
+        results = results or round_results
+        for name, n in outputs_equal(round_results).items():
+            same[name] = same.get(name, 0) + n
+    return per_round, results, same
+
+
 def main(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.urls:
@@ -573,6 +604,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvpool bench cross-node: error: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
         return 2
     try:
+        if args.pool_link_rate:
+            check_rate(args.pool_link_rate)
+    except ShapingError as err:
+        print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+        return 2
+    try:
         requests, info = build_workload(args)
         args.api_key = read_api_key(args.api_key_file)
         if args.text_prompts:
@@ -590,24 +627,15 @@ def main(args: argparse.Namespace) -> int:
           + f", {args.nodes} {args.engine} nodes, routing {args.routing}, {args.concurrency} in flight"
           + (f", fronts {', '.join(fronts)}" if fronts != ["client"] else "")
           + (f", {args.repeat} rounds of {', '.join(configs)}" if args.repeat > 1 else ""), flush=True)
-    per_round: list[dict[str, dict]] = []
-    results: dict[str, list[Result]] = {}   # the first round's
-    same: dict[str, int] = {}               # outputs equal to pool-off's, summed over the rounds
-    for _ in range(args.repeat):
-        summaries: dict[str, dict] = {}
-        round_results: dict[str, list[Result]] = {}
-        for front in fronts:
-            for c in configs:
-                name = config_name(c, front)
-                try:
-                    summaries[name], round_results[name] = run_config(args, c, requests, front)
-                except RuntimeError as err:
-                    print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
-                    return 1
-        per_round.append(summaries)
-        results = results or round_results
-        for name, n in outputs_equal(round_results).items():
-            same[name] = same.get(name, 0) + n
+    try:
+        with shaped_pool_link(args.pool_link_rate) if args.pool_link_rate else contextlib.nullcontext():
+            ran = run_rounds(args, configs, fronts, requests)
+    except ShapingError as err:
+        print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
+        return 2
+    if ran is None:
+        return 1
+    per_round, results, same = ran
     summaries = {name: median_summary([r[name] for r in per_round]) for name in per_round[0]}
     if args.repeat > 1:
         print_rounds(per_round)
@@ -621,6 +649,7 @@ def main(args: argparse.Namespace) -> int:
     report = {"bench": "cross-node", "engine": args.engine, "workload": args.workload, **info, "nodes": args.nodes, "routing": args.routing,
               "concurrency": args.concurrency,
               "model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "pool_size": args.pool_size,
+              "pool_link_rate": args.pool_link_rate or "loopback",
               "configs": summaries, "rounds": per_round,
               "outputs_equal": same.get("pool-on"), "outputs_equal_to_reference": same, "reference": ref,
               "requests": {k: [r.report() for r in v] for k, v in results.items()},
