@@ -1,4 +1,5 @@
-"""The C decode-attention kernel (csrc/paged_decode.c), built on first use and called via ctypes.
+"""The C attention kernels (csrc/paged_decode.c, csrc/paged_prefill.c), built on first use and
+called via ctypes.
 
 Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
 OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
@@ -29,13 +30,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+PREFILL_SOURCE = SOURCE.with_name("paged_prefill.c")
 # -ffast-math only when compiling: linking with it adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float op of Python, numpy and torch would change).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C source's array bounds
-
-
+PREFILL_HEAD_DIM = 64  # the prefill kernel's register tiles are cut for this head size
 
 class KernelBuildError(RuntimeError):
     """The C kernel could not be compiled or loaded (the message says why)."""
@@ -147,3 +148,39 @@ def paged_decode(q: torch.Tensor, blocks: torch.Tensor, layer: int, rows: torch.
     fn(blocks.data_ptr(), blocks.stride(0), layer * blocks.stride(1), blocks.stride(2), blocks.stride(3),
        q.data_ptr(), q.stride(0), out.data_ptr(), rows.data_ptr(), ctx_lens.data_ptr(), tables.data_ptr(),
        table_starts.data_ptr(), rows.shape[0], kvh, q.shape[1] // kvh, hd, blocks.shape[3], scale)
+
+
+def _bind_prefill(lib: ctypes.CDLL) -> Any:
+    f = lib.paged_prefill_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+    f.restype = ctypes.c_int
+    return f
+
+
+_prefill_kernel = LazyLibrary(PREFILL_SOURCE, _bind_prefill, "C prefill attention unavailable, using SDPA")
+
+
+def supports_prefill(blocks: torch.Tensor, heads: int, kv_heads: int) -> bool:
+    """Whether `paged_prefill` can run for this cache and head shape (it may still decline: no
+    AVX-512 in the build, see its return value)."""
+    return (blocks.device.type == "cpu" and blocks.dtype == torch.float32 and heads % kv_heads == 0
+            and blocks.shape[-1] == PREFILL_HEAD_DIM and blocks.stride(-1) == 1
+            and blocks.stride(4) == blocks.shape[-1] and _prefill_kernel.get() is not None)
+
+
+def paged_prefill(q: torch.Tensor, blocks: torch.Tensor, layer: int, table: torch.Tensor, ctx_len: int,
+                  out: torch.Tensor, scale: float) -> bool:
+    """Causal attention of one sequence's last q.shape[0] positions ([n, heads, head_dim], head
+    and dim contiguous) over its `ctx_len` keys, read in place along `table` (int64;
+    the chunk's own K/V already written), into `out` ([n, heads, head_dim], same inner layout).
+    False (nothing written) where the built kernel declines (no AVX-512): use SDPA then."""
+    fn = _prefill_kernel.get()
+    hd = blocks.shape[5]
+    assert fn is not None and q.stride(-1) == 1 and q.stride(1) == hd and out.stride(-1) == 1 and out.stride(1) == hd
+    table = table.contiguous()
+    assert table.dtype == torch.int64 and table.device.type == "cpu"
+    kvh = blocks.shape[4]
+    return bool(fn(blocks.data_ptr(), blocks.stride(0), layer * blocks.stride(1), blocks.stride(2), blocks.stride(3),
+                   q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), table.data_ptr(), ctx_len, q.shape[0],
+                   kvh, q.shape[1] // kvh, hd, blocks.shape[3], scale))

@@ -1,13 +1,16 @@
-"""Attention over the paged cache on CPU: a C kernel for decode, torch SDPA for the rest.
+"""Attention over the paged cache on CPU: C kernels for decode and prefill, torch SDPA for the rest.
 
-Decode sequences (one query each) go to the C kernel (`cpu_kernel`, float32) where it built:
-it reads K/V in place in the paged blocks. Without it (bf16, no compiler) they run batched: per layer, each decode group of the pass
-(see `metadata.plan_decode_groups`) gathers its padded block tables' K and V with one
-index_select each and runs one SDPA call with a key-padding mask. GQA without copies: the
-group's query heads of one KV head are laid out as that KV head's query rows
-([seqs, kv_heads, group, head_dim] against keys [seqs, kv_heads, keys, head_dim]), so SDPA's
-fused CPU kernel runs (enable_gqa would send it to the unfused math path). Prefill chunks run
-one sequence at a time, GQA by broadcasting each KV head over its query heads (stride 0).
+Decode sequences (one query each) go to the C decode kernel (`cpu_kernel`, float32) where it
+built: it reads K/V in place in the paged blocks. Without it (bf16, no compiler) they run
+batched: per layer, each decode group of the pass (see `metadata.plan_decode_groups`) gathers
+its padded block tables' K and V with one index_select each and runs one SDPA call with a
+key-padding mask. GQA without copies: the group's query heads of one KV head are laid out as
+that KV head's query rows ([seqs, kv_heads, group, head_dim] against keys [seqs, kv_heads, keys,
+head_dim]), so SDPA's fused CPU kernel runs (enable_gqa would send it to the unfused math path).
+
+Prefill chunks go to the C prefill kernel (float32, head_dim 64, AVX-512): flash-attention
+tiles over the paged K/V in place, no gather. Without it they run one sequence at a time
+through SDPA, GQA by broadcasting each KV head over its query heads (stride 0).
 
 `paged_attention_reference` is the plain per-sequence form the tests compare against.
 """
@@ -40,8 +43,13 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     else:
         for g in meta.decode_groups(cache.layout.block_size):
             out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
+    in_place = (cpu_kernel.supports_prefill(cache.blocks, q.shape[1], cache.layout.num_kv_heads)
+                and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
     for s in meta.prefill_seqs:
         qs = q[s.query_start:s.query_start + s.num_query]
+        if in_place and cpu_kernel.paged_prefill(qs, cache.blocks, layer, s.block_table, s.context_len,
+                                                 out[s.query_start:s.query_start + s.num_query], scale):
+            continue
         k, v = cache.gather(layer, s.block_table, s.context_len)  # [ctx, kvh, hd]
         mask = None if s.num_query == s.context_len else meta.causal_mask(s, q.dtype)
         out[s.query_start:s.query_start + s.num_query] = _prefill_attention(qs, k, v, mask, scale)

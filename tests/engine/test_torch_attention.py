@@ -29,12 +29,13 @@ def decode_path(request, monkeypatch) -> str:
 
 
 def random_pass(specs: list[tuple[int, int]], seed: int, dtype: torch.dtype = torch.float32,
-                layers: int = 2) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
+                layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM
+                ) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
     """specs: (num_query, context_len) per sequence, in batch order. Slots outside every context hold NaN
     (the tail of a partly filled block, unused blocks, block 0), as a failed remote load can leave them."""
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-ctx // BLOCK) for _, ctx in specs)
-    cache = PagedKVCache(CacheLayout(layers, KV_HEADS, HEAD_DIM, BLOCK, dtype), need + 5)
+    cache = PagedKVCache(CacheLayout(layers, kv_heads, head_dim, BLOCK, dtype), need + 5)
     cache.blocks.fill_(float("nan"))
     perm = 1 + torch.randperm(need + 4, generator=gen)  # block 0 and 4 others stay NaN
     seqs, start, used = [], 0, 0
@@ -44,13 +45,13 @@ def random_pass(specs: list[tuple[int, int]], seed: int, dtype: torch.dtype = to
         used += nb
         for layer in range(layers):
             for kv in (0, 1):
-                vals = torch.randn(nb * BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+                vals = torch.randn(nb * BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
                 vals[ctx:] = float("nan")  # the tail of the last block: never to be read
-                cache.blocks[table, layer, kv] = vals.view(nb, BLOCK, KV_HEADS, HEAD_DIM)
+                cache.blocks[table, layer, kv] = vals.view(nb, BLOCK, kv_heads, head_dim)
         seqs.append(SeqSpan(start, nq, ctx, table))
         start += nq
     meta = AttentionMetadata(seqs, torch.zeros(start, dtype=torch.long), torch.zeros(start, dtype=torch.long))
-    q = torch.randn(start, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(start, heads, head_dim, generator=gen).to(dtype)
     return q, cache, meta
 
 

@@ -1,0 +1,204 @@
+/* Prefill (and chunked-prefill) attention on CPU, reading K/V where they lie in the paged cache.
+ *
+ * One sequence per call: its last `num_query` positions attend causally over its `ctx` keys
+ * (the chunk's own K/V already written). Flash-attention order: for each (query head, tile of
+ * 8 query rows) the keys are walked in tiles of 32, the scores folded into a running softmax
+ * (max, sum, weighted V), so no score matrix is ever stored beyond one 8 x 32 tile.
+ *
+ * Register blocking (AVX-512, 32 zmm registers):
+ *   scores  S[8][32] = Q[8][64] . K^T[64][32]: 16 accumulators (8 rows x 2 zmm), per head dim
+ *           two loads of K^T and 8 broadcasts of Q. K^T is packed once per call, per KV head
+ *           and key tile ([kvh][tile][64][32], the only copy the kernel makes: ctx x kvh x 64
+ *           floats, small next to the arithmetic);
+ *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile;
+ *           V rows are read in place from the paged blocks (64 contiguous floats each).
+ * exp is a Cephes-style polynomial with vscalefps (|rel err| < 2 ulp over the softmax range);
+ * masked keys (past a row's position) get probability exactly 0 through the lane mask.
+ *
+ * Layout as paged_decode.c (engine/kv_cache.py): element (block b, token t, kv head h, dim d) of
+ * layer L's K is at base + b*block_stride + L*layer_stride + t*token_stride + h*head_dim + d, V
+ * `v_offset` further. q: [tokens, heads, head_dim] with row stride q_stride; out: row stride
+ * out_stride, head h at h*head_dim. head_dim must be 64 (returns 0 without writing otherwise,
+ * or where the compiler has no AVX-512: the caller then uses SDPA); returns 1 when done.
+ * Threads: torch's OpenMP runtime, work items (query head, query tile) scheduled dynamically
+ * (causal tiles differ in length).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HD 64
+#define QT 8    /* query rows per tile */
+#define KT 32   /* keys per tile */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 exp512(__m512 x) {
+    /* x <= 0 here (scores minus their running max); clamp keeps 2^n representable */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* K^T of one KV head's key tile: kt[d][j] = K[tile*32 + j][d], zeros past ctx. */
+static void pack_kt(const float *kbase, const int64_t *table, int64_t block_stride, int64_t token_stride,
+                    int64_t block_size, int64_t ctx, int64_t tile, float *kt) {
+    for (int64_t j = 0; j < KT; j++) {
+        const int64_t key = tile * KT + j;
+        if (key >= ctx) {
+            for (int d = 0; d < HD; d++) kt[d * KT + j] = 0.f;
+            continue;
+        }
+        const float *k = kbase + table[key / block_size] * block_stride + (key % block_size) * token_stride;
+        for (int d = 0; d < HD; d++) kt[d * KT + j] = k[d];
+    }
+}
+
+/* P[rows][32] . V[32 keys][64] added into o[rows][64] (rows <= 4), o scaled by alpha[] first. */
+static inline __attribute__((always_inline)) void pv4(const float *p, const float *const *vrow, int nk,
+                                                      float *o, const float *alpha) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++) {
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * HD + c * 16), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        const float *v = vrow[j];
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        for (int i = 0; i < 4; i++) {
+            const __m512 w = _mm512_set1_ps(p[i * KT + j]);
+            acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w, v1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(w, v2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(w, v3, acc[i][3]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i * HD + c * 16, acc[i][c]);
+}
+
+/* One (query head, query tile): rows q0 .. q0+m-1 of the chunk, absolute positions
+ * first_pos + row. */
+static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
+                        const float *vbase, const int64_t *table, int64_t block_stride, int64_t token_stride,
+                        int64_t block_size, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
+    float qa[QT][HD] __attribute__((aligned(64)));
+    float o[QT][HD] __attribute__((aligned(64)));
+    float p[QT][KT] __attribute__((aligned(64)));
+    float mx[QT], l[QT], alpha[QT];
+    int64_t pos[QT];
+    for (int i = 0; i < QT; i++) {
+        const int r = i < m ? i : m - 1;  /* a short tile repeats its last row (never stored) */
+        const float *src = q + (q0 + r) * q_stride + hq * HD;
+        for (int d = 0; d < HD; d++) qa[i][d] = src[d] * scale;
+        pos[i] = first_pos + q0 + r;
+        mx[i] = -3.0e38f;
+        l[i] = 0.f;
+    }
+    memset(o, 0, sizeof(o));
+    const int64_t last = pos[QT - 1] > pos[m - 1] ? pos[QT - 1] : pos[m - 1];
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const float *vrow[KT];
+    for (int64_t tile = 0; tile * KT <= last; tile++) {
+        const float *kt = kt_head + tile * (HD * KT);
+        __m512 s0[QT], s1[QT];
+        for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+        for (int d = 0; d < HD; d++) {
+            const __m512 b0 = _mm512_load_ps(kt + d * KT), b1 = _mm512_load_ps(kt + d * KT + 16);
+            for (int i = 0; i < QT; i++) {
+                const __m512 a = _mm512_set1_ps(qa[i][d]);
+                s0[i] = _mm512_fmadd_ps(a, b0, s0[i]);
+                s1[i] = _mm512_fmadd_ps(a, b1, s1[i]);
+            }
+        }
+        const int64_t k0 = tile * KT;
+        const __m512 key0 = _mm512_add_ps(iota, _mm512_set1_ps((float)k0));
+        const __m512 key1 = _mm512_add_ps(key0, _mm512_set1_ps(16.f));
+        for (int i = 0; i < QT; i++) {
+            const __m512 lim = _mm512_set1_ps((float)pos[i]);
+            const __mmask16 m0 = _mm512_cmp_ps_mask(key0, lim, _CMP_LE_OQ);
+            const __mmask16 m1 = _mm512_cmp_ps_mask(key1, lim, _CMP_LE_OQ);
+            const __m512 lo = _mm512_set1_ps(-3.0e38f);
+            const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lo, m0, s0[i]),
+                                                                  _mm512_mask_mov_ps(lo, m1, s1[i])));
+            const float nm = tmax > mx[i] ? tmax : mx[i];
+            alpha[i] = exp512(_mm512_set1_ps(mx[i] - nm))[0];
+            mx[i] = nm;
+            const __m512 nmv = _mm512_set1_ps(nm);
+            const __m512 e0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0[i], nmv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1[i], nmv)));
+            l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            _mm512_store_ps(p[i], e0);
+            _mm512_store_ps(p[i] + 16, e1);
+        }
+        const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
+        for (int j = 0; j < nk; j++) {
+            const int64_t key = k0 + j;
+            vrow[j] = vbase + table[key / block_size] * block_stride + (key % block_size) * token_stride;
+        }
+        pv4(p[0], vrow, nk, o[0], alpha);
+        pv4(p[4], vrow, nk, o[4], alpha + 4);
+    }
+    for (int i = 0; i < m; i++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        float *dst = out + (q0 + i) * out_stride + hq * HD;
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), inv));
+    }
+}
+
+int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_offset, int64_t v_offset,
+                      int64_t token_stride, const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                      const int64_t *table, int64_t ctx, int64_t num_query, int64_t kvh, int64_t group,
+                      int64_t head_dim, int64_t block_size, float scale) {
+    if (head_dim != HD || num_query < 1 || num_query > ctx) return 0;
+    const int64_t tiles = (ctx + KT - 1) / KT;
+    float *kt = aligned_alloc(64, (size_t)(kvh * tiles * HD * KT) * sizeof(float));
+    if (!kt) return 0;
+    const float *kbase = base + layer_offset;
+    const int64_t qtiles = (num_query + QT - 1) / QT, heads = kvh * group, first_pos = ctx - num_query;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t w = 0; w < kvh * tiles; w++)
+            pack_kt(kbase + (w / tiles) * HD, table, block_stride, token_stride, block_size, ctx, w % tiles,
+                    kt + w * (HD * KT));
+        /* longest tiles first (the last query tiles): dynamic scheduling then balances the rest */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < heads * qtiles; w++) {
+            const int64_t t = qtiles - 1 - w / heads, hq = w % heads;
+            const int64_t q0 = t * QT;
+            const int m = (int)(num_query - q0 < QT ? num_query - q0 : QT);
+            attend_tile(q, q_stride, out, out_stride, kt + (hq / group) * tiles * (HD * KT),
+                        kbase + v_offset + (hq / group) * HD, table, block_stride, token_stride, block_size,
+                        first_pos, q0, m, hq, scale);
+        }
+    }
+    free(kt);
+    return 1;
+}
+
+#else  /* no AVX-512: the caller falls back to SDPA */
+
+int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_offset, int64_t v_offset,
+                      int64_t token_stride, const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                      const int64_t *table, int64_t ctx, int64_t num_query, int64_t kvh, int64_t group,
+                      int64_t head_dim, int64_t block_size, float scale) {
+    (void)base; (void)block_stride; (void)layer_offset; (void)v_offset; (void)token_stride; (void)q;
+    (void)q_stride; (void)out; (void)out_stride; (void)table; (void)ctx; (void)num_query; (void)kvh;
+    (void)group; (void)head_dim; (void)block_size; (void)scale;
+    return 0;
+}
+
+#endif

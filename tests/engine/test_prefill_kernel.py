@@ -1,0 +1,89 @@
+"""The C prefill-attention kernel (engine/attention/csrc/paged_prefill.c) against SDPA.
+
+It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512; the shapes here
+cut its 8-row query tiles and 32-key tiles at every kind of edge, with history (chunked
+prefill) and without, NaN in every cache slot outside the contexts (never to be read), and
+GQA groups of 3 and 1.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention import cpu_kernel, torch_backend
+from tests.engine.test_torch_attention import fresh, random_pass
+
+HD = cpu_kernel.PREFILL_HEAD_DIM
+AVX512 = "avx512f" in next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                             if line.startswith("flags")), "")
+
+
+@pytest.fixture(autouse=True)
+def built() -> None:
+    cpu_kernel.build(cpu_kernel.PREFILL_SOURCE)  # raises if it cannot build: no silent SDPA fallback
+
+
+def counted(monkeypatch) -> list[tuple[int, int]]:
+    """(num_query, context_len) of every call the kernel accepted."""
+    calls: list[tuple[int, int]] = []
+    real = cpu_kernel.paged_prefill
+
+    def spy(q, blocks, layer, table, ctx, out, scale):  # noqa: ANN001, ANN202
+        done = real(q, blocks, layer, table, ctx, out, scale)
+        if done:
+            calls.append((q.shape[0], ctx))
+        return done
+    monkeypatch.setattr(cpu_kernel, "paged_prefill", spy)
+    return calls
+
+
+def check(q, cache, meta, atol: float = 2e-5) -> None:  # noqa: ANN001
+    for layer in range(cache.layout.num_layers):
+        ref = torch_backend.paged_attention_reference(q, cache, layer, meta, 0.125)
+        out = torch_backend.paged_attention(q, cache, layer, fresh(meta), 0.125)
+        assert torch.isfinite(out).all(), f"layer {layer}: a slot outside a context was read"
+        err = (out - ref).abs().max().item()
+        assert err <= atol, f"layer {layer}: max error {err}"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_prefills_and_chunks_match_sdpa(monkeypatch, heads: int, kv_heads: int) -> None:
+    specs = [(1, 1), (7, 7), (8, 8), (9, 9), (31, 31), (32, 32), (33, 33), (100, 100), (130, 130),
+             (5, 40), (16, 48), (1, 77), (33, 200), (64, 64 + 15)]
+    calls = counted(monkeypatch)
+    q, cache, meta = random_pass(specs, seed=21, heads=heads, kv_heads=kv_heads, head_dim=HD)
+    check(q, cache, meta)
+    # decode rows (one query) go to the decode kernel; every longer chunk to this one, per layer
+    taken = [s for s in specs if s[0] > 1]
+    assert calls == (taken * 2 if AVX512 else [])
+
+
+def test_a_long_prefill_matches_sdpa(monkeypatch) -> None:
+    calls = counted(monkeypatch)
+    q, cache, meta = random_pass([(600, 600), (300, 1000)], seed=22, heads=9, kv_heads=3, head_dim=HD, layers=1)
+    check(q, cache, meta)
+    assert len(calls) == (2 if AVX512 else 0)
+
+
+def test_each_row_sees_exactly_its_causal_prefix() -> None:
+    """Changing key p changes the rows at positions >= p and no other: the causal mask holds
+    inside a key tile and across tiles."""
+    q, cache, meta = random_pass([(70, 100)], seed=23, heads=9, kv_heads=3, head_dim=HD, layers=1)
+    s = meta.seqs[0]
+    before = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
+    for p in (30, 45, 63, 64, 99):  # positions of the chunk's rows are 30 .. 99
+        cache.blocks[s.block_table[p // cache.layout.block_size], 0, 0, p % cache.layout.block_size] += 3.0
+        after = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
+        changed = ((after - before).abs().amax(dim=(1, 2)) > 1e-4).nonzero().flatten().tolist()
+        assert changed == list(range(p - 30, 70)), f"key {p}"
+        before = after
+
+
+def test_other_head_sizes_stay_on_sdpa(monkeypatch) -> None:
+    calls = counted(monkeypatch)
+    q, cache, meta = random_pass([(20, 20)], seed=24, heads=6, kv_heads=2, head_dim=32)
+    assert not cpu_kernel.supports_prefill(cache.blocks, 6, 2)
+    check(q, cache, meta)
+    assert calls == []
