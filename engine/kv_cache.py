@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import hugepages
+
 SLOT_ALIGN = 64
 
 
@@ -46,7 +48,8 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.header_bytes = header_bytes
         self.slot_bytes = slot_bytes_for(layout.block_bytes, header_bytes)
-        self.raw = torch.zeros(num_blocks, self.slot_bytes, dtype=torch.uint8)
+        # huge pages: a decode step reads blocks scattered over the whole cache (engine/hugepages.py)
+        self.raw = hugepages.empty((num_blocks, self.slot_bytes), torch.uint8).zero_()
         payload = self.raw[:, header_bytes:header_bytes + layout.block_bytes].view(layout.dtype)
         # [block, layer, k/v, token, kv_head, head_dim]
         self.blocks = payload.view(num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine import hugepages
 from engine.attention.cpu_kernel import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
@@ -98,7 +99,8 @@ def pack_gemv(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] -> the panels `gemv` reads: [out / GEMV_PANEL, in, GEMV_PANEL], contiguous
     (out must be a multiple of GEMV_PANEL: see `gemv_packable`)."""
     out_dim, in_dim = weight.shape
-    return weight.view(out_dim // GEMV_PANEL, GEMV_PANEL, in_dim).transpose(1, 2).contiguous()
+    panels = hugepages.empty((out_dim // GEMV_PANEL, in_dim, GEMV_PANEL), weight.dtype)  # streamed every step
+    return panels.copy_(weight.view(out_dim // GEMV_PANEL, GEMV_PANEL, in_dim).transpose(1, 2))
 
 
 def gemv_packable(weight: torch.Tensor) -> bool:
