@@ -606,6 +606,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.pool_link_rate:
             check_rate(args.pool_link_rate)
+            if args.urls:
+                raise ShapingError("--pool-link-rate shapes this machine's loopback: not with --urls")
     except ShapingError as err:
         print(f"kvpool bench cross-node: error: {err}", file=sys.stderr)
         return 2

@@ -2,11 +2,13 @@
 
 On loopback a pull moves at memory speed (about 1 GB/s through the engine's TCP transport), so
 pulling a prefix costs about what a local hit does. Real clusters without RDMA pull over a
-1-25 Gbit/s link. `shaped_pool_link("1gbit")` puts a Linux HTB qdisc on `lo` that holds the
-Mooncake Transfer Engine's TCP ports (its handshake and data ports are taken from 15000-16999,
-measured: FIELD_NOTES / docs) to that rate in each direction, and sends everything else
-(HTTP, gRPC, etcd: ephemeral ports 32768+) through an unshaped class. The qdisc is removed on
-exit, also on an exception.
+1-25 Gbit/s link. `shaped_pool_link("1gbit")` puts a Linux HTB qdisc on `lo` whose one class
+holds the Mooncake Transfer Engine's TCP ports (its handshake and data ports are taken from
+15000-16999, measured: docs/BENCHMARKS.md) to that rate, and sends everything else (HTTP, gRPC,
+etcd: ephemeral ports 32768+) through an unshaped class. One class for every node and both
+directions: the cluster's pool traffic shares one link of that rate (as nodes behind one
+switch port would), not one link per node. The qdisc is removed on exit, also on an exception
+(not when the process is killed: then `tc qdisc del dev lo root` removes it).
 
 Needs root and `tc` (iproute2) with the htb scheduler; otherwise `ShapingError` says which is
 missing and nothing is changed. Only the machine's own loopback is touched; a qdisc already on
@@ -15,6 +17,7 @@ missing and nothing is changed. Only the machine's own loopback is touched; a qd
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -25,6 +28,7 @@ DEVICE = "lo"
 # u32 port matches (value, mask) covering 14336-17407, a superset of the engine's 15000-16999;
 # nothing else listens there (servers here take ephemeral ports 32768+).
 PORT_MATCHES = ((0x3800, 0xF800), (0x4000, 0xFC00))
+log = logging.getLogger(__name__)
 RATE = re.compile(r"^\d+(\.\d+)?(kbit|mbit|gbit)$")
 
 
@@ -58,7 +62,8 @@ def shaped_pool_link(rate: str) -> Iterator[None]:
     if shutil.which("tc") is None:
         raise ShapingError("shaping the pool's link needs tc (iproute2)")
     if "htb" in _lo_qdisc() or "tbf" in _lo_qdisc():
-        raise ShapingError("lo already has a shaping qdisc; not replacing someone else's")
+        raise ShapingError("lo already has a shaping qdisc; not replacing someone else's (a killed run's? "
+                           "`tc qdisc del dev lo root` removes it)")
     _tc("qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "20")
     try:
         # r2q keeps the quantum sane for lo's 64 KiB MTU; burst of one GSO segment.
@@ -72,4 +77,7 @@ def shaped_pool_link(rate: str) -> Iterator[None]:
                     "match", "ip", field, str(value), hex(mask), "flowid", "1:10")
         yield
     finally:
-        subprocess.run(["tc", "qdisc", "del", "dev", DEVICE, "root"], capture_output=True)
+        done = subprocess.run(["tc", "qdisc", "del", "dev", DEVICE, "root"], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("could not remove the shaping qdisc from lo (%s): run `tc qdisc del dev lo root`",
+                        done.stderr.strip())

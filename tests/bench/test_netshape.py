@@ -55,11 +55,11 @@ def test_the_engine_ports_are_shaped_inside_and_restored_after() -> None:
 
 
 def test_a_failure_inside_still_restores_the_link() -> None:
-    if not CAN_SHAPE:
-        return
     before = lo_qdisc()
-    with pytest.raises(RuntimeError, match="boom"):
+    expected = RuntimeError if CAN_SHAPE else ShapingError  # without root/tc it never gets inside
+    with pytest.raises(expected):
         with shaped_pool_link("50gbit"):
+            assert "qdisc htb 1:" in lo_qdisc()
             raise RuntimeError("boom")
     assert lo_qdisc() == before
 
@@ -70,3 +70,11 @@ def test_the_bench_refuses_a_bad_rate_in_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("kvpool bench cross-node: error: rate must look like")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_bench_refuses_shaping_with_running_nodes(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "cross-node", "--pool-link-rate", "1gbit",
+                        "--urls", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2
+    assert "not with --urls" in r.stderr.strip().splitlines()[-1]
