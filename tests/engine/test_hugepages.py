@@ -1,7 +1,8 @@
-"""engine.hugepages: the KV cache and the GEMV panels land on transparent huge pages where the
-kernel offers them (THP "madvise" mode, Debian's default, backs only regions that ask)."""
+"""engine.hugepages: the KV cache and the GEMV panels are advised onto transparent huge pages
+(THP "madvise" mode, Debian's default, backs only regions that ask)."""
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import torch
@@ -10,47 +11,56 @@ from engine import hugepages
 from engine.kv_cache import CacheLayout, PagedKVCache
 from engine.layer_ops import GEMV_PANEL, pack_gemv
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-THP_ON = THP.exists() and "[never]" not in THP.read_text()
+# The advice is taken wherever the kernel has THP at all (whatever its mode: "never" only
+# stops it from being acted on); without THP madvise refuses it.
+HAS_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
 
 
-def huge_kib(t: torch.Tensor) -> int:
-    """AnonHugePages (KiB) of the mappings that hold `t`'s storage, from /proc/self/smaps."""
+def advised(t: torch.Tensor) -> list[bool]:
+    """For each mapping under the whole 2 MiB pages of `t`'s storage: whether it carries the
+    huge-page advice (VmFlags "hg" in /proc/self/smaps). Whether the kernel then finds free
+    2 MiB pages at fault time depends on the machine's fragmentation, so the advice is what a
+    test can hold; the speed it buys is measured in docs/BENCHMARKS.md, in a fresh process."""
     start = t.untyped_storage().data_ptr()
     end = start + t.untyped_storage().nbytes()
-    total, inside = 0, False
+    lo, hi = (start + hugepages.HUGE_PAGE - 1) & ~(hugepages.HUGE_PAGE - 1), end & ~(hugepages.HUGE_PAGE - 1)
+    flags, inside = [], False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < end and start < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1])
-    return total
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a < hi and lo < b
+        elif inside and line.startswith("VmFlags:"):
+            flags.append("hg" in line.split()[1:])
+    return flags
 
 
-def test_a_kv_cache_is_on_huge_pages() -> None:
+def test_a_kv_cache_is_advised_onto_huge_pages() -> None:
     cache = PagedKVCache(CacheLayout(30, 3, 64, 16, torch.float32), 200)  # ~147 MB
     assert (cache.raw == 0).all()  # still a zeroed cache
-    if THP_ON:
-        assert huge_kib(cache.raw) >= 100 * 1024
-    else:
-        assert huge_kib(cache.raw) == 0
+    flags = advised(cache.raw)
+    assert flags and all(flags) == HAS_THP
 
 
-def test_plain_torch_memory_stays_on_small_pages_here() -> None:
-    """The comparison can fail: without the advice, "madvise" mode gives no huge pages."""
-    if THP_ON and "[madvise]" in THP.read_text():
-        t = torch.empty((64 << 20,), dtype=torch.uint8).fill_(1)
-        assert huge_kib(t) == 0
+def test_fresh_memory_is_not_advised_until_asked() -> None:
+    """The check can fail: a fresh anonymous mapping carries no "hg" until `advise` asks.
+    (Not torch.empty: in a long process malloc may hand back memory advised earlier.)"""
+    buf = mmap.mmap(-1, 64 << 20)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    flags = advised(t)
+    assert flags and not any(flags)
+    assert hugepages.advise(t) == HAS_THP
+    assert all(advised(t)) == HAS_THP
+    del t
+    buf.close()
 
 
 def test_gemv_panels_are_advised_and_equal_to_the_weight() -> None:
     w = torch.randn(GEMV_PANEL * 256, 576)  # 18.9 MB of panels
     p = pack_gemv(w)
     assert torch.equal(p, w.view(256, GEMV_PANEL, 576).transpose(1, 2))
-    if THP_ON:
-        assert huge_kib(p) >= 8 * 1024
+    flags = advised(p)
+    assert flags and all(flags) == HAS_THP
 
 
 def test_small_or_non_cpu_tensors_are_left_alone() -> None:
