@@ -61,12 +61,14 @@ def shaped_pool_link(rate: str) -> Iterator[None]:
         raise ShapingError("shaping the pool's link needs root (tc on lo)")
     if shutil.which("tc") is None:
         raise ShapingError("shaping the pool's link needs tc (iproute2)")
-    if "htb" in _lo_qdisc() or "tbf" in _lo_qdisc():
+    current = _lo_qdisc()
+    if "htb" in current or "tbf" in current:
         raise ShapingError("lo already has a shaping qdisc; not replacing someone else's (a killed run's? "
                            "`tc qdisc del dev lo root` removes it)")
     _tc("qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "20")
     try:
-        # r2q keeps the quantum sane for lo's 64 KiB MTU; burst of one GSO segment.
+        # explicit quanta: HTB's default (rate / r2q) is out of its range at these rates; the
+        # shaped class bursts one 64 KiB GSO segment (lo's MTU).
         _tc("class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:20", "htb",
             "rate", "100gbit", "quantum", "200000")
         _tc("class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:10", "htb",

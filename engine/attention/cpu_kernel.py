@@ -38,6 +38,7 @@ LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C source's array bounds
 PREFILL_HEAD_DIM = 64  # the prefill kernel's register tiles are cut for this head size
 
+
 class KernelBuildError(RuntimeError):
     """The C kernel could not be compiled or loaded (the message says why)."""
 
@@ -130,10 +131,15 @@ def available() -> bool:
 
 def supports(blocks: torch.Tensor, heads: int, kv_heads: int) -> bool:
     """Whether the kernel handles this cache ([block, layer, k/v, token, kv_head, head_dim] view) and head shape."""
+    return (_float32_cache(blocks, heads, kv_heads) and heads // kv_heads <= MAX_GROUP
+            and blocks.shape[-1] <= MAX_HEAD_DIM and blocks.shape[3] <= MAX_BLOCK and available())
+
+
+def _float32_cache(blocks: torch.Tensor, heads: int, kv_heads: int) -> bool:
+    """What both kernels read: a float32 CPU cache whose (kv_head, head_dim) rows are dense, and
+    query heads in whole groups per KV head."""
     return (blocks.device.type == "cpu" and blocks.dtype == torch.float32 and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_GROUP and blocks.shape[-1] <= MAX_HEAD_DIM
-            and blocks.shape[3] <= MAX_BLOCK and blocks.stride(-1) == 1
-            and blocks.stride(4) == blocks.shape[-1] and available())
+            and blocks.stride(-1) == 1 and blocks.stride(4) == blocks.shape[-1])
 
 
 def paged_decode(q: torch.Tensor, blocks: torch.Tensor, layer: int, rows: torch.Tensor, ctx_lens: torch.Tensor,
@@ -161,12 +167,12 @@ def _bind_prefill(lib: ctypes.CDLL) -> Any:
 _prefill_kernel = LazyLibrary(PREFILL_SOURCE, _bind_prefill, "C prefill attention unavailable, using SDPA")
 
 
-def supports_prefill(blocks: torch.Tensor, heads: int, kv_heads: int) -> bool:
-    """Whether `paged_prefill` can run for this cache and head shape (it may still decline: no
-    AVX-512 in the build, see its return value)."""
-    return (blocks.device.type == "cpu" and blocks.dtype == torch.float32 and heads % kv_heads == 0
-            and blocks.shape[-1] == PREFILL_HEAD_DIM and blocks.stride(-1) == 1
-            and blocks.stride(4) == blocks.shape[-1] and _prefill_kernel.get() is not None)
+def supports_prefill(q: torch.Tensor, blocks: torch.Tensor) -> bool:
+    """Whether `paged_prefill` can run for these queries ([tokens, heads, head_dim]) and this
+    cache (it may still decline: no AVX-512 in the build, see its return value)."""
+    return (_float32_cache(blocks, q.shape[1], blocks.shape[4]) and blocks.shape[-1] == PREFILL_HEAD_DIM
+            and q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
+            and _prefill_kernel.get() is not None)
 
 
 def paged_prefill(q: torch.Tensor, blocks: torch.Tensor, layer: int, table: torch.Tensor, ctx_len: int,

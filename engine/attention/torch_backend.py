@@ -43,8 +43,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     else:
         for g in meta.decode_groups(cache.layout.block_size):
             out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
-    in_place = (cpu_kernel.supports_prefill(cache.blocks, q.shape[1], cache.layout.num_kv_heads)
-                and q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1])
+    in_place = cpu_kernel.supports_prefill(q, cache.blocks)
     for s in meta.prefill_seqs:
         qs = q[s.query_start:s.query_start + s.num_query]
         if in_place and cpu_kernel.paged_prefill(qs, cache.blocks, layer, s.block_table, s.context_len,

@@ -84,6 +84,6 @@ def test_each_row_sees_exactly_its_causal_prefix() -> None:
 def test_other_head_sizes_stay_on_sdpa(monkeypatch) -> None:
     calls = counted(monkeypatch)
     q, cache, meta = random_pass([(20, 20)], seed=24, heads=6, kv_heads=2, head_dim=32)
-    assert not cpu_kernel.supports_prefill(cache.blocks, 6, 2)
+    assert not cpu_kernel.supports_prefill(q, cache.blocks)
     check(q, cache, meta)
     assert calls == []
