@@ -51,32 +51,37 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* K^T of one KV head's key tile: kt[d][j] = K[tile*32 + j][d], zeros past ctx. */
-static void pack_kt(const float *kbase, const int64_t *table, int64_t block_stride, int64_t token_stride,
-                    int64_t block_size, int64_t ctx, int64_t tile, float *kt) {
+/* One KV head's key tile, packed: kt[d][j] = K[tile*32 + j][d] and vt[j][d] = V[tile*32 + j][d],
+ * zeros past ctx. Both are read once per query tile and head of the group, so a copy in a
+ * contiguous stream is cheaper than walking the paged blocks' strided rows each time. */
+static void pack_tile(const float *kbase, const float *vbase, const int64_t *table, int64_t block_stride,
+                      int64_t token_stride, int64_t block_size, int64_t ctx, int64_t tile, float *kt, float *vt) {
     for (int64_t j = 0; j < KT; j++) {
         const int64_t key = tile * KT + j;
         if (key >= ctx) {
-            for (int d = 0; d < HD; d++) kt[d * KT + j] = 0.f;
+            for (int d = 0; d < HD; d++) kt[d * KT + j] = vt[j * HD + d] = 0.f;
             continue;
         }
-        const float *k = kbase + table[key / block_size] * block_stride + (key % block_size) * token_stride;
-        for (int d = 0; d < HD; d++) kt[d * KT + j] = k[d];
+        const int64_t off = table[key / block_size] * block_stride + (key % block_size) * token_stride;
+        for (int d = 0; d < HD; d++) kt[d * KT + j] = kbase[off + d];
+        memcpy(vt + j * HD, vbase + off, HD * sizeof(float));
     }
 }
 
-/* P[rows][32] . V[32 keys][64] added into o[rows][64] (rows <= 4), o scaled by alpha[] first. */
-static inline __attribute__((always_inline)) void pv4(const float *p, const float *const *vrow, int nk,
-                                                      float *o, const float *alpha) {
+/* P[rows][32] . V[32 keys][64] (a packed tile, nk keys of it) added into o[rows][64] (rows <= 4),
+ * o scaled by alpha[] first. */
+static inline __attribute__((always_inline)) void pv4(const float *p, const float *vt, int nk, float *o,
+                                                      const float *alpha) {
     __m512 acc[4][4];
     for (int i = 0; i < 4; i++) {
         const __m512 a = _mm512_set1_ps(alpha[i]);
         for (int c = 0; c < 4; c++) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * HD + c * 16), a);
     }
     for (int j = 0; j < nk; j++) {
-        const float *v = vrow[j];
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-        const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        const float *v = vt + j * HD;
+        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+        __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));  /* keep V in registers: one load for 4 rows */
         for (int i = 0; i < 4; i++) {
             const __m512 w = _mm512_set1_ps(p[i * KT + j]);
             acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);
@@ -90,14 +95,15 @@ static inline __attribute__((always_inline)) void pv4(const float *p, const floa
 }
 
 /* One (query head, query tile): rows q0 .. q0+m-1 of the chunk, absolute positions
- * first_pos + row. */
+ * first_pos + row. kt_head / vt_head: the query head's KV head, packed (pack_tile). */
 static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
-                        const float *vbase, const int64_t *table, int64_t block_stride, int64_t token_stride,
-                        int64_t block_size, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
+                        const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
     float qa[QT][HD] __attribute__((aligned(64)));
     float o[QT][HD] __attribute__((aligned(64)));
     float p[QT][KT] __attribute__((aligned(64)));
-    float mx[QT], l[QT], alpha[QT];
+    float lv[QT][16] __attribute__((aligned(64)));  /* per-row sums, 16 lanes, summed at the end */
+    float mx[16] __attribute__((aligned(64))) = {0}, nmx[16] __attribute__((aligned(64))) = {0};
+    float alpha[16] __attribute__((aligned(64)));
     int64_t pos[QT];
     for (int i = 0; i < QT; i++) {
         const int r = i < m ? i : m - 1;  /* a short tile repeats its last row (never stored) */
@@ -105,12 +111,12 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
         for (int d = 0; d < HD; d++) qa[i][d] = src[d] * scale;
         pos[i] = first_pos + q0 + r;
         mx[i] = -3.0e38f;
-        l[i] = 0.f;
     }
     memset(o, 0, sizeof(o));
+    memset(lv, 0, sizeof(lv));
     const int64_t last = pos[QT - 1] > pos[m - 1] ? pos[QT - 1] : pos[m - 1];
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const float *vrow[KT];
+    const __m512 lo = _mm512_set1_ps(-3.0e38f);
     for (int64_t tile = 0; tile * KT <= last; tile++) {
         const float *kt = kt_head + tile * (HD * KT);
         __m512 s0[QT], s1[QT];
@@ -124,35 +130,45 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
             }
         }
         const int64_t k0 = tile * KT;
-        const __m512 key0 = _mm512_add_ps(iota, _mm512_set1_ps((float)k0));
-        const __m512 key1 = _mm512_add_ps(key0, _mm512_set1_ps(16.f));
+        /* Keys past a row's position are masked; a tile every row sees whole (all but the
+         * diagonal ones; pos[0] is the smallest) skips the masks. */
+        __mmask16 m0[QT], m1[QT];
+        if (k0 + KT - 1 <= pos[0]) {
+            for (int i = 0; i < QT; i++) m0[i] = m1[i] = 0xffff;
+        } else {
+            const __m512 key0 = _mm512_add_ps(iota, _mm512_set1_ps((float)k0));
+            const __m512 key1 = _mm512_add_ps(key0, _mm512_set1_ps(16.f));
+            for (int i = 0; i < QT; i++) {
+                const __m512 lim = _mm512_set1_ps((float)pos[i]);
+                m0[i] = _mm512_cmp_ps_mask(key0, lim, _CMP_LE_OQ);
+                m1[i] = _mm512_cmp_ps_mask(key1, lim, _CMP_LE_OQ);
+                s0[i] = _mm512_mask_mov_ps(lo, m0[i], s0[i]);
+                s1[i] = _mm512_mask_mov_ps(lo, m1[i], s1[i]);
+            }
+        }
         for (int i = 0; i < QT; i++) {
-            const __m512 lim = _mm512_set1_ps((float)pos[i]);
-            const __mmask16 m0 = _mm512_cmp_ps_mask(key0, lim, _CMP_LE_OQ);
-            const __mmask16 m1 = _mm512_cmp_ps_mask(key1, lim, _CMP_LE_OQ);
-            const __m512 lo = _mm512_set1_ps(-3.0e38f);
-            const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lo, m0, s0[i]),
-                                                                  _mm512_mask_mov_ps(lo, m1, s1[i])));
-            const float nm = tmax > mx[i] ? tmax : mx[i];
-            alpha[i] = exp512(_mm512_set1_ps(mx[i] - nm))[0];
-            mx[i] = nm;
-            const __m512 nmv = _mm512_set1_ps(nm);
-            const __m512 e0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0[i], nmv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1[i], nmv)));
-            l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s0[i], s1[i]));
+            nmx[i] = tmax > mx[i] ? tmax : mx[i];
+        }
+        /* the 8 rows' rescale factors exp(old max - new max) in one exp */
+        _mm512_store_ps(alpha, exp512(_mm512_sub_ps(_mm512_load_ps(mx), _mm512_load_ps(nmx))));
+        for (int i = 0; i < QT; i++) {
+            mx[i] = nmx[i];
+            const __m512 nmv = _mm512_set1_ps(nmx[i]);
+            const __m512 e0 = _mm512_maskz_mov_ps(m0[i], exp512(_mm512_sub_ps(s0[i], nmv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(m1[i], exp512(_mm512_sub_ps(s1[i], nmv)));
+            _mm512_store_ps(lv[i], _mm512_fmadd_ps(_mm512_load_ps(lv[i]), _mm512_set1_ps(alpha[i]),
+                                                   _mm512_add_ps(e0, e1)));
             _mm512_store_ps(p[i], e0);
             _mm512_store_ps(p[i] + 16, e1);
         }
         const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
-        for (int j = 0; j < nk; j++) {
-            const int64_t key = k0 + j;
-            vrow[j] = vbase + table[key / block_size] * block_stride + (key % block_size) * token_stride;
-        }
-        pv4(p[0], vrow, nk, o[0], alpha);
-        pv4(p[4], vrow, nk, o[4], alpha + 4);
+        const float *vt = vt_head + tile * (KT * HD);
+        pv4(p[0], vt, nk, o[0], alpha);
+        pv4(p[4], vt, nk, o[4], alpha + 4);
     }
     for (int i = 0; i < m; i++) {
-        const __m512 inv = _mm512_set1_ps(1.f / l[i]);
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv[i])));
         float *dst = out + (q0 + i) * out_stride + hq * HD;
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), inv));
     }
@@ -164,7 +180,8 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
                       int64_t head_dim, int64_t block_size, float scale) {
     if (head_dim != HD || num_query < 1 || num_query > ctx) return 0;
     const int64_t tiles = (ctx + KT - 1) / KT;
-    float *kt = aligned_alloc(64, (size_t)(kvh * tiles * HD * KT) * sizeof(float));
+    const size_t packed = (size_t)(kvh * tiles * HD * KT);
+    float *kt = aligned_alloc(64, 2 * packed * sizeof(float)), *vt = kt + packed;
     if (!kt) return 0;
     const float *kbase = base + layer_offset;
     const int64_t qtiles = (num_query + QT - 1) / QT, heads = kvh * group, first_pos = ctx - num_query;
@@ -172,8 +189,8 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
     {
         #pragma omp for schedule(static)
         for (int64_t w = 0; w < kvh * tiles; w++)
-            pack_kt(kbase + (w / tiles) * HD, table, block_stride, token_stride, block_size, ctx, w % tiles,
-                    kt + w * (HD * KT));
+            pack_tile(kbase + (w / tiles) * HD, kbase + v_offset + (w / tiles) * HD, table, block_stride,
+                      token_stride, block_size, ctx, w % tiles, kt + w * (HD * KT), vt + w * (HD * KT));
         /* longest tiles first (the last query tiles): dynamic scheduling then balances the rest */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < heads * qtiles; w++) {
@@ -181,8 +198,7 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
             const int64_t q0 = t * QT;
             const int m = (int)(num_query - q0 < QT ? num_query - q0 : QT);
             attend_tile(q, q_stride, out, out_stride, kt + (hq / group) * tiles * (HD * KT),
-                        kbase + v_offset + (hq / group) * HD, table, block_stride, token_stride, block_size,
-                        first_pos, q0, m, hq, scale);
+                        vt + (hq / group) * tiles * (HD * KT), first_pos, q0, m, hq, scale);
         }
     }
     free(kt);
