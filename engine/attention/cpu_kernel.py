@@ -4,7 +4,7 @@ called via ctypes.
 Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
 OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
 ($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
-own. The library links libgomp by soname; torch has loaded its own copy by then, so the
+own; a source may include the headers beside it (csrc/simd_exp.h), which are part of the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
 kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
 the call.
 
@@ -54,7 +54,10 @@ def _cpu_flags() -> str:
 
 
 def _library_path(compiler: str, source: Path) -> Path:
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
+    """Where `source`'s build is cached: keyed by its text and the headers beside it (it may include
+    them), the compiler and flags, and the CPU's feature flags."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
                          + _cpu_flags().encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
     return root / key.hexdigest()[:16] / f"{source.stem}.so"

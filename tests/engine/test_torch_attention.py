@@ -29,25 +29,25 @@ def decode_path(request, monkeypatch) -> str:
 
 
 def random_pass(specs: list[tuple[int, int]], seed: int, dtype: torch.dtype = torch.float32,
-                layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM
-                ) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
+                layers: int = 2, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
+                block: int = BLOCK) -> tuple[torch.Tensor, PagedKVCache, AttentionMetadata]:
     """specs: (num_query, context_len) per sequence, in batch order. Slots outside every context hold NaN
     (the tail of a partly filled block, unused blocks, block 0), as a failed remote load can leave them."""
     gen = torch.Generator().manual_seed(seed)
-    need = sum(-(-ctx // BLOCK) for _, ctx in specs)
-    cache = PagedKVCache(CacheLayout(layers, kv_heads, head_dim, BLOCK, dtype), need + 5)
+    need = sum(-(-ctx // block) for _, ctx in specs)
+    cache = PagedKVCache(CacheLayout(layers, kv_heads, head_dim, block, dtype), need + 5)
     cache.blocks.fill_(float("nan"))
     perm = 1 + torch.randperm(need + 4, generator=gen)  # block 0 and 4 others stay NaN
     seqs, start, used = [], 0, 0
     for nq, ctx in specs:
-        nb = -(-ctx // BLOCK)
+        nb = -(-ctx // block)
         table = perm[used:used + nb].clone()
         used += nb
         for layer in range(layers):
             for kv in (0, 1):
-                vals = torch.randn(nb * BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+                vals = torch.randn(nb * block, kv_heads, head_dim, generator=gen).to(dtype)
                 vals[ctx:] = float("nan")  # the tail of the last block: never to be read
-                cache.blocks[table, layer, kv] = vals.view(nb, BLOCK, kv_heads, head_dim)
+                cache.blocks[table, layer, kv] = vals.view(nb, block, kv_heads, head_dim)
         seqs.append(SeqSpan(start, nq, ctx, table))
         start += nq
     meta = AttentionMetadata(seqs, torch.zeros(start, dtype=torch.long), torch.zeros(start, dtype=torch.long))
@@ -140,6 +140,15 @@ def test_float32_decode_takes_the_kernel(decode_path: str, monkeypatch) -> None:
     q, cache, meta = random_pass([(1, 20), (4, 12), (1, 9)], seed=8)
     check(q, cache, meta, atol=1e-5)
     assert calls == ([[0, 5]] * 2 if decode_path == "kernel" else [])
+
+
+def test_the_models_shapes(decode_path: str) -> None:
+    """SmolLM2-135M's decode shape (9 query heads on 3 KV heads, head_dim 64, 16-token blocks),
+    which the kernel runs in its own AVX-512 path where it can: every block edge, one key, long."""
+    contexts = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 700]
+    q, cache, meta = random_pass([(1, c) for c in contexts] + [(5, 40)], seed=12, heads=9, kv_heads=3,
+                                 head_dim=64, block=16)
+    check(q, cache, meta, atol=1e-5)
 
 
 def test_the_kernel_leaves_subnormal_floats_alone() -> None:

@@ -11,6 +11,10 @@
  * q: [tokens, heads, head_dim] with row stride q_stride; out: [tokens, heads, head_dim] contiguous.
  * Work items (sequence, KV head) are spread over the OpenMP threads (torch's own runtime: the
  * library is loaded into a process that already holds torch's libgomp).
+ *
+ * Two implementations of one item: `attend_g3` in AVX-512 intrinsics for groups of 3 query heads,
+ * head_dim 64 and 16-token blocks (SmolLM2-135M's shapes with the default block), and the
+ * portable `attend_one` (auto-vectorised C) for everything else.
  */
 #include <float.h>
 #include <math.h>
@@ -89,6 +93,124 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
+#ifdef __AVX512F__
+#include "simd_exp.h"
+
+/* The 16 lane sums of v[0..15] (a vector each), in a fixed lane order (`sum_order` undoes it):
+ * three rounds of shuffle-and-add halve the vectors, 45 operations for 16 sums where 16
+ * horizontal sums take ~130. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]), _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x44), _mm512_shuffle_ps(z[0], z[1], 0xEE));
+}
+
+/* idx with permutexvar(idx, sum16(v))[t] = the sum of v[t]: found by summing v[t] = t. */
+static __m512i sum_order(void) {
+    __m512 v[16];
+    for (int t = 0; t < 16; t++) v[t] = _mm512_set1_ps((float)t);
+    float w[16];
+    _mm512_storeu_ps(w, sum16(v));
+    int idx[16];
+    for (int lane = 0; lane < 16; lane++) idx[(int)(w[lane] / 16.f + 0.5f)] = lane;
+    return _mm512_loadu_si512(idx);
+}
+
+/* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. The queries and the
+ * weighted V (3 x 64 each) stay in registers. Per block: each key's 3 partial products (one
+ * vector per query head, no horizontal sum) go to a small buffer, `sum16` turns a head's 16 of
+ * them into its 16 scores at once, one exp per head; V rows are loaded once for the 3 heads
+ * (the asm keeps gcc from folding each use into the FMA, which reloads them). The next block's
+ * K and V rows of this head are prefetched into L2: each block lies elsewhere in memory, which
+ * the hardware prefetcher cannot guess. Slots past ctx are never read (they may hold garbage). */
+static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
+                      const int64_t *table, int64_t ctx, const float *qs, float *o, float scale, __m512i order) {
+    __m512 q[3][4], acc[3][4];
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++) {
+            q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * 64 + c * 16), _mm512_set1_ps(scale));
+            acc[g][c] = _mm512_setzero_ps();
+        }
+    __m512 mx = _mm512_set1_ps(-3.0e38f), l = _mm512_setzero_ps();  /* lane g: query head g */
+    float part[3][16][16] __attribute__((aligned(64)));
+    float p[3][16] __attribute__((aligned(64)));
+    for (int64_t j = 0; j * 16 < ctx; j++) {
+        const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+        const float *kb = kbase + table[j] * block_stride, *vb = kb + v_offset;
+        if ((j + 1) * 16 < ctx) {
+            const float *next = kbase + table[j + 1] * block_stride;
+            for (int t = 0; t < 16; t++)
+                for (int c = 0; c < 4; c++) {
+                    _mm_prefetch((const char *)(next + t * token_stride + c * 16), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(next + v_offset + t * token_stride + c * 16), _MM_HINT_T1);
+                }
+        }
+        for (int t = 0; t < 16; t++) {
+            if (t >= n) {
+                for (int g = 0; g < 3; g++) _mm512_store_ps(part[g][t], _mm512_setzero_ps());
+                continue;
+            }
+            const float *k = kb + t * token_stride;
+            __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                   k3 = _mm512_loadu_ps(k + 48);
+            __asm__("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+            for (int g = 0; g < 3; g++) {
+                __m512 s = _mm512_mul_ps(q[g][0], k0);
+                s = _mm512_fmadd_ps(q[g][1], k1, s);
+                s = _mm512_fmadd_ps(q[g][2], k2, s);
+                s = _mm512_fmadd_ps(q[g][3], k3, s);
+                _mm512_store_ps(part[g][t], s);
+            }
+        }
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        float bm[16] __attribute__((aligned(64))) = {0};
+        __m512 sc[3];
+        for (int g = 0; g < 3; g++) {
+            __m512 v[16];
+            for (int t = 0; t < 16; t++) v[t] = _mm512_load_ps(part[g][t]);
+            sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, _mm512_permutexvar_ps(order, sum16(v)));
+            bm[g] = _mm512_reduce_max_ps(sc[g]);
+        }
+        const __m512 nm = _mm512_max_ps(mx, _mm512_load_ps(bm));
+        float c[16] __attribute__((aligned(64))), sums[16] __attribute__((aligned(64))) = {0};
+        _mm512_store_ps(c, exp512(_mm512_sub_ps(mx, nm)));  /* the old sums' rescale, all heads */
+        mx = nm;
+        for (int g = 0; g < 3; g++) {
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(nm[g]))));
+            _mm512_store_ps(p[g], e);
+            sums[g] = _mm512_reduce_add_ps(e);
+            const __m512 cg = _mm512_set1_ps(c[g]);
+            for (int cc = 0; cc < 4; cc++) acc[g][cc] = _mm512_mul_ps(acc[g][cc], cg);
+        }
+        l = _mm512_fmadd_ps(l, _mm512_load_ps(c), _mm512_load_ps(sums));
+        for (int t = 0; t < n; t++) {
+            const float *v = vb + t * token_stride;
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                   v3 = _mm512_loadu_ps(v + 48);
+            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+            for (int g = 0; g < 3; g++) {
+                const __m512 w = _mm512_set1_ps(p[g][t]);
+                acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+                acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+                acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+            }
+        }
+    }
+    for (int g = 0; g < 3; g++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+#endif
+
 #define ATTEND(GROUP, HEAD_DIM, BLOCK)                                                                       \
     attend_one(base, block_stride, layer_offset, v_offset, token_stride, qs, o, table, ctx, h, GROUP, HEAD_DIM, \
                BLOCK, scale)
@@ -99,6 +221,9 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
                       const int64_t *table_starts, int64_t num_seqs, int64_t num_kv_heads, int64_t group,
                       int64_t head_dim, int64_t block_size, float scale) {
     const int64_t heads = num_kv_heads * group;
+#ifdef __AVX512F__
+    const __m512i order = sum_order();
+#endif
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
         const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
@@ -106,9 +231,19 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
         const int64_t *table = tables + table_starts[s];
         const float *qs = q + rows[s] * q_stride + h * group * head_dim;
         float *o = out + rows[s] * heads * head_dim + h * group * head_dim;
-        if (group == 3 && head_dim == 64 && block_size == 16)  /* SmolLM2-135M, the default block */
+#ifdef __AVX512F__
+        if (group == 3 && head_dim == 64 && block_size == 16) {  /* SmolLM2-135M, the default block */
+            attend_g3(base + layer_offset + h * head_dim, v_offset, block_stride, token_stride, table, ctx, qs, o,
+                      scale, order);
+            continue;
+        }
+#else
+        if (group == 3 && head_dim == 64 && block_size == 16) {
             ATTEND(3, 64, 16);
-        else if (head_dim == 64)
+            continue;
+        }
+#endif
+        if (head_dim == 64)
             ATTEND(group, 64, block_size);
         else if (head_dim == 128)
             ATTEND(group, 128, block_size);

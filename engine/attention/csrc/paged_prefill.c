@@ -12,7 +12,7 @@
  *           floats, small next to the arithmetic);
  *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile;
  *           V rows are read in place from the paged blocks (64 contiguous floats each).
- * exp is a Cephes-style polynomial with vscalefps (|rel err| < 2 ulp over the softmax range);
+ * exp is simd_exp.h's polynomial (|rel err| < 2 ulp over the softmax range);
  * masked keys (past a row's position) get probability exactly 0 through the lane mask.
  *
  * Layout as paged_decode.c (engine/kv_cache.py): element (block b, token t, kv head h, dim d) of
@@ -32,24 +32,7 @@
 #define KT 32   /* keys per tile */
 
 #ifdef __AVX512F__
-#include <immintrin.h>
-
-static inline __m512 exp512(__m512 x) {
-    /* x <= 0 here (scores minus their running max); clamp keeps 2^n representable */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#include "simd_exp.h"
 
 /* One KV head's key tile, packed: kt[d][j] = K[tile*32 + j][d] and vt[j][d] = V[tile*32 + j][d],
  * zeros past ctx. Both are read once per query tile and head of the group, so a copy in a
