@@ -7,11 +7,15 @@
  *
  * Register blocking (AVX-512, 32 zmm registers):
  *   scores  S[8][32] = Q[8][64] . K^T[64][32]: 16 accumulators (8 rows x 2 zmm), per head dim
- *           two loads of K^T and 8 broadcasts of Q. K^T is packed once per call, per KV head
- *           and key tile ([kvh][tile][64][32], the only copy the kernel makes: ctx x kvh x 64
- *           floats, small next to the arithmetic);
- *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile;
- *           V rows are read in place from the paged blocks (64 contiguous floats each).
+ *           two loads of K^T and 8 broadcasts of Q;
+ *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile,
+ *           each V row loaded once for its 4 rows (an empty asm stops gcc from folding the
+ *           loads into every FMA, which made the loop load-bound: one 512-bit load per cycle).
+ * K^T and V are packed once per call, per KV head and key tile ([kvh][tile][64][32] and
+ * [kvh][tile][32][64], zeros past ctx: 2 x ctx x kvh x 64 floats, small next to the
+ * arithmetic): each is read by every query tile of the group's heads, and a contiguous copy
+ * streams where the paged blocks' rows (256 of every 768 bytes, block by block) do not.
+ * Tiles below the diagonal skip the masks; the 8 rows' rescale factors are one exp.
  * exp is simd_exp.h's polynomial (|rel err| < 2 ulp over the softmax range);
  * masked keys (past a row's position) get probability exactly 0 through the lane mask.
  *
