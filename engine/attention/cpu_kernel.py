@@ -4,7 +4,7 @@ called via ctypes.
 Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
 OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
 ($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
-own; a source may include the headers beside it (csrc/simd_exp.h), which are part of the
+own; a source may include the headers beside it (csrc/simd.h), which are part of the
 key. The library links libgomp by soname; torch has loaded its own copy by then, so the
 kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
 the call.

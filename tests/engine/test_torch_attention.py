@@ -142,7 +142,7 @@ def test_float32_decode_takes_the_kernel(decode_path: str, monkeypatch) -> None:
     assert calls == ([[0, 5]] * 2 if decode_path == "kernel" else [])
 
 
-def test_the_models_shapes(decode_path: str) -> None:
+def test_the_models_shapes() -> None:
     """SmolLM2-135M's decode shape (9 query heads on 3 KV heads, head_dim 64, 16-token blocks),
     which the kernel runs in its own AVX-512 path where it can: every block edge, one key, long."""
     contexts = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 700]

@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 #ifdef __AVX512F__
-#include "simd_exp.h"
+#include "simd.h"
 
 /* The 16 lane sums of v[0..15] (a vector each), in a fixed lane order (`sum_order` undoes it):
  * three rounds of shuffle-and-add halve the vectors, 45 operations for 16 sums where 16
@@ -126,8 +126,8 @@ static __m512i sum_order(void) {
 /* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. The queries and the
  * weighted V (3 x 64 each) stay in registers. Per block: each key's 3 partial products (one
  * vector per query head, no horizontal sum) go to a small buffer, `sum16` turns a head's 16 of
- * them into its 16 scores at once, one exp per head; V rows are loaded once for the 3 heads
- * (the asm keeps gcc from folding each use into the FMA, which reloads them). The next block's
+ * them into its 16 scores at once, one exp per head; K and V rows are loaded once for the 3
+ * heads (simd.h's load_row64). The next block's
  * K and V rows of this head are prefetched into L2: each block lies elsewhere in memory, which
  * the hardware prefetcher cannot guess. Slots past ctx are never read (they may hold garbage). */
 static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
@@ -157,10 +157,8 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
                 for (int g = 0; g < 3; g++) _mm512_store_ps(part[g][t], _mm512_setzero_ps());
                 continue;
             }
-            const float *k = kb + t * token_stride;
-            __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
-                   k3 = _mm512_loadu_ps(k + 48);
-            __asm__("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+            __m512 k0, k1, k2, k3;
+            load_row64(kb + t * token_stride, &k0, &k1, &k2, &k3);
             for (int g = 0; g < 3; g++) {
                 __m512 s = _mm512_mul_ps(q[g][0], k0);
                 s = _mm512_fmadd_ps(q[g][1], k1, s);
@@ -191,10 +189,8 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
         }
         l = _mm512_fmadd_ps(l, _mm512_load_ps(c), _mm512_load_ps(sums));
         for (int t = 0; t < n; t++) {
-            const float *v = vb + t * token_stride;
-            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                   v3 = _mm512_loadu_ps(v + 48);
-            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+            __m512 v0, v1, v2, v3;
+            load_row64(vb + t * token_stride, &v0, &v1, &v2, &v3);
             for (int g = 0; g < 3; g++) {
                 const __m512 w = _mm512_set1_ps(p[g][t]);
                 acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);

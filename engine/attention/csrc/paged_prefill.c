@@ -9,14 +9,13 @@
  *   scores  S[8][32] = Q[8][64] . K^T[64][32]: 16 accumulators (8 rows x 2 zmm), per head dim
  *           two loads of K^T and 8 broadcasts of Q;
  *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile,
- *           each V row loaded once for its 4 rows (an empty asm stops gcc from folding the
- *           loads into every FMA, which made the loop load-bound: one 512-bit load per cycle).
+ *           each V row loaded once for its 4 rows (simd.h's load_row64).
  * K^T and V are packed once per call, per KV head and key tile ([kvh][tile][64][32] and
  * [kvh][tile][32][64], zeros past ctx: 2 x ctx x kvh x 64 floats, small next to the
  * arithmetic): each is read by every query tile of the group's heads, and a contiguous copy
  * streams where the paged blocks' rows (256 of every 768 bytes, block by block) do not.
  * Tiles below the diagonal skip the masks; the 8 rows' rescale factors are one exp.
- * exp is simd_exp.h's polynomial (|rel err| < 2 ulp over the softmax range);
+ * exp is simd.h's polynomial (|rel err| < 2 ulp over the softmax range);
  * masked keys (past a row's position) get probability exactly 0 through the lane mask.
  *
  * Layout as paged_decode.c (engine/kv_cache.py): element (block b, token t, kv head h, dim d) of
@@ -36,7 +35,7 @@
 #define KT 32   /* keys per tile */
 
 #ifdef __AVX512F__
-#include "simd_exp.h"
+#include "simd.h"
 
 /* One KV head's key tile, packed: kt[d][j] = K[tile*32 + j][d] and vt[j][d] = V[tile*32 + j][d],
  * zeros past ctx. Both are read once per query tile and head of the group, so a copy in a
@@ -65,10 +64,8 @@ static inline __attribute__((always_inline)) void pv4(const float *p, const floa
         for (int c = 0; c < 4; c++) acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o + i * HD + c * 16), a);
     }
     for (int j = 0; j < nk; j++) {
-        const float *v = vt + j * HD;
-        __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-        __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
-        __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));  /* keep V in registers: one load for 4 rows */
+        __m512 v0, v1, v2, v3;
+        load_row64(vt + j * HD, &v0, &v1, &v2, &v3);
         for (int i = 0; i < 4; i++) {
             const __m512 w = _mm512_set1_ps(p[i * KT + j]);
             acc[i][0] = _mm512_fmadd_ps(w, v0, acc[i][0]);

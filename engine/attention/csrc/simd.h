@@ -1,0 +1,42 @@
+/* AVX-512 helpers the attention kernels share (each kernel source includes this file; the
+ * kernel cache key hashes this directory's headers too).
+ *
+ * exp512: exp over 16 floats for the softmax, x <= 0 there (scores minus their running max).
+ * Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a degree-6
+ * polynomial, 2^n by vscalefps; |rel err| < 2 ulp over the softmax's range. The clamp keeps 2^n
+ * representable and turns the kernels' -3e38 "no max yet" sentinel into a factor of ~0. */
+#ifndef KVPOOL_SIMD_H
+#define KVPOOL_SIMD_H
+#include <immintrin.h>
+
+static inline __m512 exp512(__m512 x) {
+    /* x <= 0 here (scores minus their running max); clamp keeps 2^n representable */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A 64-float row (one head's K or V) as four vectors kept in registers, for a loop that uses it
+ * for several query rows or heads. The empty asm stops gcc from folding each use into an FMA's
+ * memory operand instead, a reload per use: this core does one 512-bit load per cycle, which
+ * made such loops load-bound. (Four outputs, not an array: an array went through the stack.) */
+static inline __attribute__((always_inline)) void load_row64(const float *src, __m512 *r0, __m512 *r1,
+                                                             __m512 *r2, __m512 *r3) {
+    *r0 = _mm512_loadu_ps(src);
+    *r1 = _mm512_loadu_ps(src + 16);
+    *r2 = _mm512_loadu_ps(src + 32);
+    *r3 = _mm512_loadu_ps(src + 48);
+    __asm__("" : "+v"(*r0), "+v"(*r1), "+v"(*r2), "+v"(*r3));
+}
+
+#endif
