@@ -129,7 +129,9 @@ class LlamaModel:
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         rope_args = self._rope_args(positions)  # once per pass, not per layer
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
-        for i, layer in enumerate(self.layers[:num_layers]):
+        layers = self.layers[:num_layers]
+        tail = self._last_layer_rows(meta, logits_indices, n) if layers else None
+        for i, layer in enumerate(layers):
             x = self._norm(h, delta, layer.in_norm)
             qkv = layer.qkv(x)
             # RoPE on the query and key heads together: [n, heads + kv_heads, head_dim]
@@ -137,6 +139,16 @@ class LlamaModel:
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
             cache.write(i, meta.slot_block_ids, meta.slot_offsets, k, v)
+            if tail is not None and i == len(layers) - 1:
+                # Past the last layer's K and V only the sampled rows matter: the rest of this layer
+                # runs on them alone (rows are independent outside attention, and attention of a
+                # query's last tokens reads the same keys).
+                rows, meta = tail
+                h, q, n = h[rows], q[rows], rows.shape[0]
+                logits_indices = torch.arange(n, device=h.device)
+                if n == 0:  # no one samples: nothing more to compute
+                    delta = None
+                    break
             attn = self.attention(q, cache, i, meta, self.scale)
             x = self._norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm)
             delta = layer.down(self._silu_mul(layer.gate_up(x)))
@@ -144,6 +156,18 @@ class LlamaModel:
             h.add_(delta)
         h = self._norm(h[logits_indices], None, self.norm)
         return self.lm_head(h).float()
+
+    @staticmethod
+    def _last_layer_rows(meta: AttentionMetadata, logits_indices: torch.Tensor,
+                         n: int) -> tuple[torch.Tensor, AttentionMetadata] | None:
+        """The rows the last layer needs past its K/V write, and their attention metadata, where
+        that is fewer than the pass's `n` (a prompt's tokens but its last): the logits rows, when
+        they are each sequence's last query tokens (what the runner asks for); else None."""
+        rows = logits_indices.tolist()
+        if len(rows) >= n:
+            return None
+        sub = meta.query_tails(rows)
+        return None if sub is None else (logits_indices.to(torch.long), sub)
 
     # The elementwise steps: fused C calls (engine/layer_ops.py) or torch ops, per `self.fused`.
 

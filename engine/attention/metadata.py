@@ -114,6 +114,29 @@ class AttentionMetadata:
             groups = self._plans[block_size] = plan_decode_groups(self.seqs, block_size)
         return groups
 
+    def query_tails(self, rows: list[int]) -> AttentionMetadata | None:
+        """This pass over only the query tokens `rows` (ascending flat-batch indices): where the rows
+        taken from each sequence are the last of its query (they see the same keys as before: the
+        cache already holds every token's K and V), the metadata of that smaller batch, whose
+        sequences keep their context and block table and take their tokens in `rows` order.
+        Sequences left with no rows drop out. None where `rows` are not such tails."""
+        spans: list[SeqSpan] = []
+        j = 0
+        for s in self.seqs:
+            end = s.query_start + s.num_query
+            first = j
+            while j < len(rows) and s.query_start <= rows[j] < end:
+                j += 1
+            m = j - first
+            if m and rows[first:j] != list(range(end - m, end)):
+                return None
+            if m:
+                spans.append(SeqSpan(first, m, s.context_len, s.block_table))
+        if j != len(rows):  # rows outside every sequence, or out of order
+            return None
+        at = torch.tensor(rows, dtype=torch.long, device=self.slot_block_ids.device)
+        return AttentionMetadata(spans, self.slot_block_ids[at], self.slot_offsets[at])
+
     @cached_property
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the C decode kernel, built once per pass: the one-query sequences' (rows [n], context
