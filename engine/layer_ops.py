@@ -2,7 +2,9 @@
 
 RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-multiply, float32, each one C call
 instead of 3-6 torch ops: at decode batch sizes those ops cost their dispatch, not their
-arithmetic. Built like the decode attention kernel (`engine.attention.cpu_kernel.build`).
+arithmetic. And the linears' matmul over weights packed in panels (`panel_matmul`), which ran
+faster than oneDNN's packed GEMM at every batch size measured (docs/BENCHMARKS.md).
+Built like the decode attention kernel (`engine.attention.cpu_kernel.build`).
 `usable(...)` says whether a call may take this path (CPU, float32, contiguous rows, the
 library built); engine/model.py falls back to its torch ops otherwise. The results agree with
 the torch formulas to float32 rounding (a different summation order), not to the bit.
@@ -26,13 +28,9 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
-    "gemv_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
+    "gemm_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
 }
-GEMV_MAX_ROWS, GEMV_PANEL = 8, 32  # the C source's bounds
-# Up to this many rows (all the C kernel takes) the panel GEMV beat oneDNN's packed GEMM on this
-# machine at every row count measured (1-8: weights streamed at ~27-31 GB/s against ~19-24;
-# docs/BENCHMARKS.md).
-GEMV_ROWS = 8
+PANEL = 32  # output rows per packed panel (the C source's PANEL)
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -95,25 +93,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_gemv(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the panels `gemv` reads: [out / GEMV_PANEL, in, GEMV_PANEL], contiguous
-    (out must be a multiple of GEMV_PANEL: see `gemv_packable`)."""
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> the panels `panel_matmul` reads: [out / PANEL, in, PANEL], contiguous
+    (out must be a multiple of PANEL: see `panels_packable`)."""
     out_dim, in_dim = weight.shape
-    panels = hugepages.empty((out_dim // GEMV_PANEL, in_dim, GEMV_PANEL), weight.dtype)  # streamed every step
-    return panels.copy_(weight.view(out_dim // GEMV_PANEL, GEMV_PANEL, in_dim).transpose(1, 2))
+    panels = hugepages.empty((out_dim // PANEL, in_dim, PANEL), weight.dtype)  # streamed every step
+    return panels.copy_(weight.view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2))
 
 
-def gemv_packable(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.shape[0] % GEMV_PANEL == 0 and usable(weight)
+def panels_packable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[0] % PANEL == 0 and usable(weight)
 
 
-def gemv(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x: [m, in] (m <= GEMV_MAX_ROWS, last dim contiguous), panels: `pack_gemv(weight)` -> x @ weight.T."""
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x: [m, in] (any m, last dim contiguous), panels: `pack_panels(weight)` -> x @ weight.T,
+    a new [m, out] tensor. Each output row depends on its input row alone (the same bits whatever
+    the batch)."""
     lib = library()
     m, k = x.shape
-    assert lib is not None and 0 < m <= GEMV_MAX_ROWS and x.stride(1) == 1 and panels.is_contiguous()
-    assert panels.shape[1] == k and panels.shape[2] == GEMV_PANEL
-    out_dim = panels.shape[0] * GEMV_PANEL
+    assert lib is not None and x.stride(1) == 1 and panels.is_contiguous()
+    assert panels.shape[1] == k and panels.shape[2] == PANEL
+    out_dim = panels.shape[0] * PANEL
     out = torch.empty((m, out_dim), dtype=torch.float32)
-    lib.gemv_f32(panels.data_ptr(), out_dim, k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
+    if m:
+        lib.gemm_f32(panels.data_ptr(), out_dim, k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
     return out

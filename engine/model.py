@@ -51,25 +51,27 @@ def _onednn_available() -> bool:
 
 
 class Linear:
-    """y = x @ weight.T, no bias. On CPU in float32 the weight is packed once for oneDNN, which
-    ran 1.3-2.5x faster than F.linear (MKL sgemm) at decode batch sizes on this AVX2 machine
-    (the 49k-row LM head most); elsewhere, or with use_onednn=False, it is F.linear. With
-    `gemv` (and the C layer ops built) the weight is also packed in panels for the C GEMV, which
-    takes batches of at most `layer_ops.GEMV_ROWS` rows (decode): there a linear is bound by
-    reading its weights, which that kernel does closer to the memory's bandwidth than oneDNN's
-    GEMM (docs/BENCHMARKS.md); it costs a second copy of the weight."""
+    """y = x @ weight.T, no bias. On CPU in float32 with `panels` (and the C layer ops built) the
+    weight is packed in panels for the C matmul (`layer_ops.panel_matmul`), which ran at 205-228
+    GFLOPS on this 2-core machine where oneDNN's packed GEMM ran at 150-220, the most behind at
+    decode batch sizes (docs/BENCHMARKS.md). Otherwise on CPU in float32 the weight is packed
+    once for oneDNN (1.3-2.5x faster than F.linear, MKL sgemm, at decode batch sizes on an AVX2
+    machine); elsewhere, or with use_onednn=False, it is F.linear. One packed copy replaces the
+    weight."""
 
-    def __init__(self, weight: torch.Tensor, use_onednn: bool = True, gemv: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, use_onednn: bool = True, panels: bool = False) -> None:
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
-        self.panels = layer_ops.pack_gemv(weight) if gemv and layer_ops.gemv_packable(weight) else None
-        if use_onednn and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
+        self.panels = layer_ops.pack_panels(weight) if panels and layer_ops.panels_packable(weight) else None
+        if self.panels is not None:
+            self.weight = None
+        elif use_onednn and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-            self.weight = None  # the packed copy replaces it
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and 0 < x.shape[0] <= layer_ops.GEMV_ROWS and x.stride(-1) == 1:
-            return layer_ops.gemv(x, self.panels)
+        if self.panels is not None:
+            return layer_ops.panel_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -77,16 +79,16 @@ class Linear:
 
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, use_onednn: bool = True,
-                 gemv: bool = False) -> None:
+                 panels: bool = False) -> None:
         get = lambda name: w[prefix + name].to(dtype)  # noqa: E731
         self.in_norm = get("input_layernorm.weight")
         self.post_norm = get("post_attention_layernorm.weight")
         self.qkv = Linear(torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
-                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, gemv)
-        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, gemv)
+                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels)
+        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels)
         self.gate_up = Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous(),
-                              use_onednn, gemv)
-        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, gemv)
+                              use_onednn, panels)
+        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels)
 
 
 class LlamaModel:
@@ -101,11 +103,12 @@ class LlamaModel:
         self.attention = attention
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
-        gemv = fused_ops  # where the panels apply (CPU float32, the library built): layer_ops.gemv_packable
-        self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn, gemv)
+        panels = fused_ops  # where they apply (CPU float32, the library built): layer_ops.panels_packable
+        self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
+                              panels)
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
-                             f"model.layers.{i}.", dtype, use_onednn, gemv) for i in range(config.num_layers)]
+                             f"model.layers.{i}.", dtype, use_onednn, panels) for i in range(config.num_layers)]
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
         t = torch.arange(config.max_position, dtype=torch.float32, device=device)

@@ -7,6 +7,8 @@
  * Numerics: the same formulas as engine/model.py's torch path (RMSNorm in float32,
  * x * rsqrt(mean(x^2) + eps) * w; RoPE x * cos + roll(x) * sin_signed; silu(g) * u); the sums run
  * in a different order, so results agree to float32 rounding, not to the bit.
+ *
+ * And gemm_f32, the linears' matmul over weights packed in panels (below).
  */
 #include <math.h>
 #include <omp.h>
@@ -76,58 +78,74 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
     }
 }
 
-/* Y[r] = W @ X[r] for the m rows of X (m <= GEMV_MAX_ROWS: a decode batch), W packed in panels of
- * GEMV_PANEL output rows: Wp[p][k][j] = W[p * GEMV_PANEL + j][k] (engine/layer_ops.py packs it),
- * so each panel is one contiguous stream and no horizontal sum is needed: for each k, the
- * panel's 32 weights (two 16-float vectors) are multiplied by X[r][k] broadcast into m x 2
- * accumulators. Panels are split over the OpenMP threads. At decode batch sizes a linear is
- * bound by reading its weights; this streams them at close to the memory's bandwidth. X rows
- * are x_stride apart, Y rows y_stride apart; out_dim is a multiple of GEMV_PANEL. */
-#define GEMV_MAX_ROWS 8
-#define GEMV_PANEL 32
+/* Y = X @ W^T for the m rows of X (any m), W packed in panels of PANEL output rows:
+ * Wp[p][k][j] = W[p * PANEL + j][k] (engine/layer_ops.py packs it), so each panel is one
+ * contiguous stream and no horizontal sum is needed. The micro-kernel takes up to BLOCK_ROWS rows
+ * of X against one panel: for each k, the panel's 32 weights (two 16-float vectors) times X[r][k]
+ * broadcast, into BLOCK_ROWS x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
+ * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
+ * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
+ * Work items are (panel, CHUNK_ROWS rows) pairs, panel-major, cut into one contiguous range per
+ * OpenMP thread (a decode batch: whole panels per thread, each streaming its own part of Wp).
+ * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL. */
+#define PANEL 32
+#define BLOCK_ROWS 8
+#define CHUNK_ROWS 64
 typedef float v16 __attribute__((vector_size(64)));
 
-static inline __attribute__((always_inline)) void gemv_panels(
-        const float *Wp, int64_t p0, int64_t p1, int64_t in_dim, const float *X, int64_t x_stride,
-        const int64_t m, float *Y, int64_t y_stride) {
-    for (int64_t p = p0; p < p1; p++) {
-        const float *w = Wp + p * in_dim * GEMV_PANEL;
-        v16 a0[GEMV_MAX_ROWS], a1[GEMV_MAX_ROWS];
-        for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = (v16){0};
-        for (int64_t k = 0; k < in_dim; k++) {
-            v16 w0, w1;
-            __builtin_memcpy(&w0, w + k * GEMV_PANEL, sizeof w0);
-            __builtin_memcpy(&w1, w + k * GEMV_PANEL + 16, sizeof w1);
-            for (int64_t r = 0; r < m; r++) {
-                const float xs = X[r * x_stride + k];
-                a0[r] += w0 * xs;
-                a1[r] += w1 * xs;
-            }
-        }
+static inline __attribute__((always_inline)) void panel_block(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
+        int64_t y_stride) {
+    v16 a0[BLOCK_ROWS], a1[BLOCK_ROWS];
+    for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = (v16){0};
+    for (int64_t k = 0; k < in_dim; k++) {
+        v16 w0, w1;
+        __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
+        __builtin_memcpy(&w1, w + k * PANEL + 16, sizeof w1);
         for (int64_t r = 0; r < m; r++) {
-            __builtin_memcpy(Y + r * y_stride + p * GEMV_PANEL, &a0[r], sizeof a0[r]);
-            __builtin_memcpy(Y + r * y_stride + p * GEMV_PANEL + 16, &a1[r], sizeof a1[r]);
+            const float xs = X[r * x_stride + k];
+            a0[r] += w0 * xs;
+            a1[r] += w1 * xs;
         }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        __builtin_memcpy(Y + r * y_stride, &a0[r], sizeof a0[r]);
+        __builtin_memcpy(Y + r * y_stride + 16, &a1[r], sizeof a1[r]);
     }
 }
 
-void gemv_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
+/* Rows r0..r1 of X against one panel, BLOCK_ROWS at a time; the tail's row count is made a
+ * constant (a switch) so its accumulators stay in registers too. */
+static void panel_rows(const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0,
+                       int64_t r1, float *Y, int64_t y_stride) {
+    int64_t r = r0;
+    for (; r + BLOCK_ROWS <= r1; r += BLOCK_ROWS)
+        panel_block(w, in_dim, X + r * x_stride, x_stride, BLOCK_ROWS, Y + r * y_stride, y_stride);
+    X += r * x_stride;
+    Y += r * y_stride;
+    switch (r1 - r) {
+        case 0: break;
+        case 1: panel_block(w, in_dim, X, x_stride, 1, Y, y_stride); break;
+        case 2: panel_block(w, in_dim, X, x_stride, 2, Y, y_stride); break;
+        case 3: panel_block(w, in_dim, X, x_stride, 3, Y, y_stride); break;
+        case 4: panel_block(w, in_dim, X, x_stride, 4, Y, y_stride); break;
+        case 5: panel_block(w, in_dim, X, x_stride, 5, Y, y_stride); break;
+        case 6: panel_block(w, in_dim, X, x_stride, 6, Y, y_stride); break;
+        default: panel_block(w, in_dim, X, x_stride, 7, Y, y_stride); break;
+    }
+}
+
+void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
               float *Y, int64_t y_stride) {
-    const int64_t panels = out_dim / GEMV_PANEL;
+    const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t items = panels * chunks;
     #pragma omp parallel
     {
-        /* Contiguous panel ranges per thread: each streams its own part of Wp. */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        switch (m) {
-            case 1: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 1, Y, y_stride); break;
-            case 2: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 2, Y, y_stride); break;
-            case 3: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 3, Y, y_stride); break;
-            case 4: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 4, Y, y_stride); break;
-            case 5: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 5, Y, y_stride); break;
-            case 6: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 6, Y, y_stride); break;
-            case 7: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 7, Y, y_stride); break;
-            default: gemv_panels(Wp, p0, p1, in_dim, X, x_stride, 8, Y, y_stride); break;
+        for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) {
+            const int64_t p = i / chunks, r0 = i % chunks * CHUNK_ROWS;
+            const int64_t r1 = r0 + CHUNK_ROWS < m ? r0 + CHUNK_ROWS : m;
+            panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * PANEL, y_stride);
         }
     }
 }

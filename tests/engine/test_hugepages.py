@@ -1,4 +1,4 @@
-"""engine.hugepages: the KV cache and the GEMV panels are advised onto transparent huge pages
+"""engine.hugepages: the KV cache and the linears' weight panels are advised onto transparent huge pages
 (THP "madvise" mode, Debian's default, backs only regions that ask)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from engine import hugepages
 from engine.kv_cache import CacheLayout, PagedKVCache
-from engine.layer_ops import GEMV_PANEL, pack_gemv
+from engine.layer_ops import PANEL, pack_panels
 
 # The advice is taken wherever the kernel has THP at all (whatever its mode: "never" only
 # stops it from being acted on); without THP madvise refuses it.
@@ -55,10 +55,10 @@ def test_fresh_memory_is_not_advised_until_asked() -> None:
     buf.close()
 
 
-def test_gemv_panels_are_advised_and_equal_to_the_weight() -> None:
-    w = torch.randn(GEMV_PANEL * 256, 576)  # 18.9 MB of panels
-    p = pack_gemv(w)
-    assert torch.equal(p, w.view(256, GEMV_PANEL, 576).transpose(1, 2))
+def test_weight_panels_are_advised_and_equal_to_the_weight() -> None:
+    w = torch.randn(PANEL * 256, 576)  # 18.9 MB of panels
+    p = pack_panels(w)
+    assert torch.equal(p, w.view(256, PANEL, 576).transpose(1, 2))
     flags = advised(p)
     assert flags and all(flags) == HAS_THP
 

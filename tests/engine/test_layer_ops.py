@@ -61,28 +61,43 @@ def test_silu_mul() -> None:
         assert torch.allclose(layer_ops.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 64, 67, 130])
 @pytest.mark.parametrize("in_dim", [576, 100])
-def test_gemv_matches_matmul(m: int, in_dim: int) -> None:
+def test_panel_matmul_matches_matmul(m: int, in_dim: int) -> None:
+    """Row counts below, at and past a block (8) and a work item (64), with tails."""
     g = torch.Generator().manual_seed(m * 1000 + in_dim)
     w = torch.randn(352, in_dim, generator=g)   # 11 panels: the two threads get unequal shares
     x = torch.randn(m, in_dim + 7, generator=g)[:, :in_dim]   # rows in_dim + 7 apart
-    assert torch.allclose(layer_ops.gemv(x, layer_ops.pack_gemv(w)), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert not layer_ops.gemv_packable(torch.randn(333, in_dim))   # not whole panels: oneDNN takes it
+    got = layer_ops.panel_matmul(x, layer_ops.pack_panels(w))
+    assert got.shape == (m, 352) and torch.allclose(got, x @ w.T, rtol=1e-4, atol=1e-4)
+    assert not layer_ops.panels_packable(torch.randn(333, in_dim))   # not whole panels: oneDNN takes it
 
 
-def test_linear_takes_the_gemv_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_panel_matmul_rows_do_not_depend_on_the_batch() -> None:
+    """A row's output is the same bits alone, in a block's tail or in a full block of a big batch."""
+    g = torch.Generator().manual_seed(5)
+    panels = layer_ops.pack_panels(torch.randn(320, 576, generator=g))
+    x = torch.randn(77, 576, generator=g)
+    whole = layer_ops.panel_matmul(x, panels)
+    for i in (0, 13, 64, 76):
+        assert torch.equal(layer_ops.panel_matmul(x[i:i + 1], panels)[0], whole[i])
+    assert torch.equal(layer_ops.panel_matmul(x[60:71], panels), whole[60:71])
+
+
+def test_linear_takes_the_panels_for_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(256, 96, generator=g)
-    lin = Linear(w, gemv=True)
-    assert lin.panels is not None
+    lin = Linear(w, panels=True)
+    assert lin.panels is not None and lin.packed is None and lin.weight is None   # one packed copy
     calls: list[int] = []
-    real = layer_ops.gemv
-    monkeypatch.setattr(layer_ops, "gemv", lambda x, weight: calls.append(x.shape[0]) or real(x, weight))
-    for n in (1, layer_ops.GEMV_ROWS, layer_ops.GEMV_ROWS + 1, 64):
+    real = layer_ops.panel_matmul
+    monkeypatch.setattr(layer_ops, "panel_matmul", lambda x, weight: calls.append(x.shape[0]) or real(x, weight))
+    for n in (1, 8, 9, 64, 300):
         x = torch.randn(n, 96, generator=g)
         assert torch.allclose(lin(x), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert calls == [1, layer_ops.GEMV_ROWS]
+    assert calls == [1, 8, 9, 64, 300]
+    odd = Linear(torch.randn(100, 96, generator=g), panels=True)   # not whole panels: oneDNN or F.linear
+    assert odd.panels is None and odd(torch.randn(3, 96)).shape == (3, 100) and calls == [1, 8, 9, 64, 300]
 
 
 @pytest.mark.slow
@@ -93,17 +108,16 @@ def test_engine_with_and_without_the_fused_ops(loaded) -> None:  # noqa: ANN001
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1)
     fused = make_engine(loaded, max_num_batched_tokens=256)
     assert fused.model.fused and fused.model.layers[0].qkv.panels is not None
-    plain = make_engine(loaded, max_num_batched_tokens=256)
+    with pytest.MonkeyPatch.context() as mp:  # the linears on oneDNN (or F.linear), not the panels
+        mp.setattr(layer_ops, "panels_packable", lambda weight: False)
+        plain = make_engine(loaded, max_num_batched_tokens=256)
     plain.model.fused = False
-    for layer in plain.model.layers:
-        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            lin.panels = None
-    plain.model.lm_head.panels = None
+    assert plain.model.layers[0].qkv.panels is None and plain.model.lm_head.panels is None
     got, want = run_all(fused, prompts, params), run_all(plain, prompts, params)
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
             for tok in la:
                 assert abs(la[tok] - lb[tok]) < 1e-3
-    solo = run_all(fused, prompts[:1], params)[0]   # batch 1: every decode linear on the GEMV
+    solo = run_all(fused, prompts[:1], params)[0]   # batch 1
     assert solo.token_ids == want[0].token_ids
