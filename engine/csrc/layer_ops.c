@@ -85,12 +85,14 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
  * broadcast, into BLOCK_ROWS x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
  * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
- * Work items are (panel, CHUNK_ROWS rows) pairs, panel-major, cut into one contiguous range per
- * OpenMP thread (a decode batch: whole panels per thread, each streaming its own part of Wp).
+ * Work items are (CHUNK_ROWS rows, panel) pairs, chunk-major, cut into one contiguous range per
+ * OpenMP thread: a decode batch (one chunk) gives each thread whole panels, each streaming its
+ * own part of Wp; a prefill pass gives each thread chunks of rows that stay in its L2 while the
+ * panels stream past (a row re-read per panel from L3 otherwise: 1-3% slower at 2,048 rows).
  * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL. */
 #define PANEL 32
 #define BLOCK_ROWS 8
-#define CHUNK_ROWS 64
+#define CHUNK_ROWS 256
 typedef float v16 __attribute__((vector_size(64)));
 
 static inline __attribute__((always_inline)) void panel_block(
@@ -143,7 +145,7 @@ void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, 
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) {
-            const int64_t p = i / chunks, r0 = i % chunks * CHUNK_ROWS;
+            const int64_t p = i % panels, r0 = i / panels * CHUNK_ROWS;
             const int64_t r1 = r0 + CHUNK_ROWS < m ? r0 + CHUNK_ROWS : m;
             panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * PANEL, y_stride);
         }
