@@ -29,6 +29,7 @@ _SIGNATURES = {
     "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "gemm_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
+    "gemm_silu_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
 }
 PANEL = 32  # output rows per packed panel (the C source's PANEL)
 
@@ -105,16 +106,39 @@ def panels_packable(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[0] % PANEL == 0 and usable(weight)
 
 
+def pack_gated_panels(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [2 * inter, in] (the gate's rows, then the up projection's) -> panels that hold 16
+    gate rows and the same 16 up rows each, for `gated_panel_matmul`."""
+    two_inter, in_dim = gate_up.shape
+    half = PANEL // 2
+    paired = gate_up.view(2, two_inter // 2 // half, half, in_dim).transpose(0, 1).reshape(two_inter, in_dim)
+    return pack_panels(paired)
+
+
+def gated_packable(gate_up: torch.Tensor) -> bool:
+    return gate_up.dim() == 2 and gate_up.shape[0] % (2 * PANEL) == 0 and usable(gate_up)
+
+
 def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     """x: [m, in] (any m, last dim contiguous), panels: `pack_panels(weight)` -> x @ weight.T,
     a new [m, out] tensor. Each output row depends on its input row alone (the same bits whatever
     the batch)."""
+    return _panel_call("gemm_f32", x, panels, PANEL)
+
+
+def gated_panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x: [m, in], panels: `pack_gated_panels(gate_up)` -> silu(x @ gate.T) * (x @ up.T), a new
+    [m, inter] tensor: the MLP's first half in one pass, never writing the [m, 2 * inter] product."""
+    return _panel_call("gemm_silu_f32", x, panels, PANEL // 2)
+
+
+def _panel_call(name: str, x: torch.Tensor, panels: torch.Tensor, cols_per_panel: int) -> torch.Tensor:
     lib = library()
     m, k = x.shape
     assert lib is not None and x.stride(1) == 1 and panels.is_contiguous()
     assert panels.shape[1] == k and panels.shape[2] == PANEL
-    out_dim = panels.shape[0] * PANEL
-    out = torch.empty((m, out_dim), dtype=torch.float32)
+    out = torch.empty((m, panels.shape[0] * cols_per_panel), dtype=torch.float32)
     if m:
-        lib.gemm_f32(panels.data_ptr(), out_dim, k, x.data_ptr(), x.stride(0), m, out.data_ptr(), out.stride(0))
+        getattr(lib, name)(panels.data_ptr(), panels.shape[0] * PANEL, k, x.data_ptr(), x.stride(0), m,
+                           out.data_ptr(), out.stride(0))
     return out

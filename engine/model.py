@@ -86,8 +86,10 @@ class Layer:
         self.qkv = Linear(torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
                                      get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels)
         self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels)
-        self.gate_up = Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous(),
-                              use_onednn, panels)
+        gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
+        # Where the panels apply, silu(gate) * up comes out of the matmul itself (gated_panel_matmul).
+        self.gated = layer_ops.pack_gated_panels(gate_up) if panels and layer_ops.gated_packable(gate_up) else None
+        self.gate_up = None if self.gated is not None else Linear(gate_up, use_onednn, panels)
         self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels)
 
 
@@ -154,7 +156,7 @@ class LlamaModel:
                     break
             attn = self.attention(q, cache, i, meta, self.scale)
             x = self._norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm)
-            delta = layer.down(self._silu_mul(layer.gate_up(x)))
+            delta = layer.down(self._swiglu(layer, x))
         if delta is not None:
             h.add_(delta)
         h = self._norm(h[logits_indices], None, self.norm)
@@ -196,6 +198,12 @@ class LlamaModel:
         if delta is not None:
             h.add_(delta)
         return rms_norm(h, weight, eps)
+
+    def _swiglu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T): one C call over the gated panels where packed."""
+        if layer.gated is not None:
+            return layer_ops.gated_panel_matmul(x, layer.gated)
+        return self._silu_mul(layer.gate_up(x))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:

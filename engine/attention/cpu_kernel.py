@@ -4,8 +4,8 @@ called via ctypes.
 Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
 OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
 ($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
-own; a source may include the headers beside it (csrc/simd.h), which are part of the
-key. The library links libgomp by soname; torch has loaded its own copy by then, so the
+own; a source may include headers by a quoted relative path (csrc/simd.h), which are part of
+the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
 kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
 the call.
 
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -54,11 +55,15 @@ def _cpu_flags() -> str:
     return ""
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
+
+
 def _library_path(compiler: str, source: Path) -> Path:
-    """Where `source`'s build is cached: keyed by its text and the headers beside it (it may include
-    them), the compiler and flags, and the CPU's feature flags."""
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
+    """Where `source`'s build is cached: keyed by its text and the headers it includes by a
+    quoted path (relative to it), the compiler and flags, and the CPU's feature flags."""
+    text = source.read_bytes()
+    headers = b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
+    key = hashlib.sha256(text + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
                          + _cpu_flags().encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
     return root / key.hexdigest()[:16] / f"{source.stem}.so"

@@ -67,6 +67,11 @@ void rope_f32(float *x, int64_t row_stride, const int64_t *positions, const floa
     }
 }
 
+/* silu(g) = g / (1 + exp(-g)), with exp's argument held at 88 (exp(88) ~ 1.7e38): past ~88.7 it
+ * is +inf, and -ffast-math's division (a reciprocal estimate refined by Newton steps) turns
+ * g / inf into NaN where IEEE gives -0. Held, a gate below -88 gives g / 1.7e38, as good as 0. */
+#define SILU_EXP_MAX 88.f
+
 /* out[i] = silu(gu[i][:inter]) * gu[i][inter:]; gu rows are 2 * inter long, out rows inter. */
 void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
     #pragma omp parallel for if (n >= PAR_ROWS) schedule(static)
@@ -74,7 +79,7 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
         const float *g = gu + i * 2 * inter;
         const float *u = g + inter;
         float *o = out + i * inter;
-        for (int64_t d = 0; d < inter; d++) o[d] = g[d] / (1.f + expf(-g[d])) * u[d];
+        for (int64_t d = 0; d < inter; d++) o[d] = g[d] / (1.f + expf(fminf(-g[d], SILU_EXP_MAX))) * u[d];
     }
 }
 
@@ -95,9 +100,27 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 #define CHUNK_ROWS 256
 typedef float v16 __attribute__((vector_size(64)));
 
+#ifdef __AVX512F__
+#include "../attention/csrc/simd.h"
+#endif
+
+/* silu(g) * u over 16 lanes: g / (1 + exp(-g)) * u, as silu_mul_f32 computes it. */
+static inline __attribute__((always_inline)) v16 silu_mul16(v16 g, v16 u) {
+#ifdef __AVX512F__
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), (__m512)g), _mm512_set1_ps(SILU_EXP_MAX)));
+    return (v16)_mm512_mul_ps(_mm512_div_ps((__m512)g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (__m512)u);
+#else
+    v16 o;
+    for (int j = 0; j < 16; j++) o[j] = g[j] / (1.f + expf(fminf(-g[j], SILU_EXP_MAX))) * u[j];
+    return o;
+#endif
+}
+
+/* `gated` (a constant where inlined): the panel holds 16 gate rows then the same 16 up rows
+ * (engine/layer_ops.py pack_gated_panels), and the block writes silu(gate) * up, 16 columns. */
 static inline __attribute__((always_inline)) void panel_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
-        int64_t y_stride) {
+        int64_t y_stride, const int gated) {
     v16 a0[BLOCK_ROWS], a1[BLOCK_ROWS];
     for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = (v16){0};
     for (int64_t k = 0; k < in_dim; k++) {
@@ -111,43 +134,61 @@ static inline __attribute__((always_inline)) void panel_block(
         }
     }
     for (int64_t r = 0; r < m; r++) {
-        __builtin_memcpy(Y + r * y_stride, &a0[r], sizeof a0[r]);
-        __builtin_memcpy(Y + r * y_stride + 16, &a1[r], sizeof a1[r]);
+        if (gated) {
+            const v16 o = silu_mul16(a0[r], a1[r]);
+            __builtin_memcpy(Y + r * y_stride, &o, sizeof o);
+        } else {
+            __builtin_memcpy(Y + r * y_stride, &a0[r], sizeof a0[r]);
+            __builtin_memcpy(Y + r * y_stride + 16, &a1[r], sizeof a1[r]);
+        }
     }
 }
 
 /* Rows r0..r1 of X against one panel, BLOCK_ROWS at a time; the tail's row count is made a
  * constant (a switch) so its accumulators stay in registers too. */
-static void panel_rows(const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0,
-                       int64_t r1, float *Y, int64_t y_stride) {
+static inline __attribute__((always_inline)) void panel_rows(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0, int64_t r1, float *Y,
+        int64_t y_stride, const int gated) {
     int64_t r = r0;
     for (; r + BLOCK_ROWS <= r1; r += BLOCK_ROWS)
-        panel_block(w, in_dim, X + r * x_stride, x_stride, BLOCK_ROWS, Y + r * y_stride, y_stride);
+        panel_block(w, in_dim, X + r * x_stride, x_stride, BLOCK_ROWS, Y + r * y_stride, y_stride, gated);
     X += r * x_stride;
     Y += r * y_stride;
     switch (r1 - r) {
         case 0: break;
-        case 1: panel_block(w, in_dim, X, x_stride, 1, Y, y_stride); break;
-        case 2: panel_block(w, in_dim, X, x_stride, 2, Y, y_stride); break;
-        case 3: panel_block(w, in_dim, X, x_stride, 3, Y, y_stride); break;
-        case 4: panel_block(w, in_dim, X, x_stride, 4, Y, y_stride); break;
-        case 5: panel_block(w, in_dim, X, x_stride, 5, Y, y_stride); break;
-        case 6: panel_block(w, in_dim, X, x_stride, 6, Y, y_stride); break;
-        default: panel_block(w, in_dim, X, x_stride, 7, Y, y_stride); break;
+        case 1: panel_block(w, in_dim, X, x_stride, 1, Y, y_stride, gated); break;
+        case 2: panel_block(w, in_dim, X, x_stride, 2, Y, y_stride, gated); break;
+        case 3: panel_block(w, in_dim, X, x_stride, 3, Y, y_stride, gated); break;
+        case 4: panel_block(w, in_dim, X, x_stride, 4, Y, y_stride, gated); break;
+        case 5: panel_block(w, in_dim, X, x_stride, 5, Y, y_stride, gated); break;
+        case 6: panel_block(w, in_dim, X, x_stride, 6, Y, y_stride, gated); break;
+        default: panel_block(w, in_dim, X, x_stride, 7, Y, y_stride, gated); break;
     }
 }
 
-void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
-              float *Y, int64_t y_stride) {
+static inline __attribute__((always_inline)) void gemm(
+        const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m, float *Y,
+        int64_t y_stride, const int gated) {
     const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    const int64_t items = panels * chunks;
+    const int64_t items = panels * chunks, y_cols = gated ? PANEL / 2 : PANEL;
     #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) {
             const int64_t p = i % panels, r0 = i / panels * CHUNK_ROWS;
             const int64_t r1 = r0 + CHUNK_ROWS < m ? r0 + CHUNK_ROWS : m;
-            panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * PANEL, y_stride);
+            panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * y_cols, y_stride, gated);
         }
     }
+}
+
+void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
+              float *Y, int64_t y_stride) {
+    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0);
+}
+
+/* The MLP's input half fused: Y [m, out_dim / 2] = silu(X @ gate^T) * (X @ up^T), from gated panels. */
+void gemm_silu_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
+                   float *Y, int64_t y_stride) {
+    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1);
 }

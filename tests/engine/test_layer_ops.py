@@ -57,8 +57,10 @@ def test_silu_mul() -> None:
     g = torch.Generator().manual_seed(2)
     for n in (1, 3, 33):
         gu = torch.randn(n, 2 * 1536, generator=g) * 4
+        gu[:, :8] = torch.tensor([-3000., -100., -89., -88., 88., 89., 100., 3000.])  # exp past its range
         gate, up = gu.chunk(2, dim=-1)
-        assert torch.allclose(layer_ops.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL)
+        got = layer_ops.silu_mul(gu)
+        assert torch.isfinite(got).all() and torch.allclose(got, torch.nn.functional.silu(gate) * up, **TOL)
 
 
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 5, 8, 9, 67, 256, 515])
@@ -71,6 +73,19 @@ def test_panel_matmul_matches_matmul(m: int, in_dim: int) -> None:
     got = layer_ops.panel_matmul(x, layer_ops.pack_panels(w))
     assert got.shape == (m, 352) and torch.allclose(got, x @ w.T, rtol=1e-4, atol=1e-4)
     assert not layer_ops.panels_packable(torch.randn(333, in_dim))   # not whole panels: oneDNN takes it
+
+
+@pytest.mark.parametrize("m", [0, 1, 9, 300])
+def test_gated_panel_matmul_is_silu_gate_times_up(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    gate_up = torch.randn(2 * 192, 576, generator=g) * 0.1
+    x = torch.randn(m, 576, generator=g)
+    x[:, 0] = torch.linspace(-3000, 3000, m) if m > 1 else 3000.   # gates far past exp's range both ways
+    gate, up = x @ gate_up[:192].T, x @ gate_up[192:].T
+    got = layer_ops.gated_panel_matmul(x, layer_ops.pack_gated_panels(gate_up))
+    assert got.shape == (m, 192) and torch.isfinite(got).all()
+    assert torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-4, atol=1e-3)
+    assert not layer_ops.gated_packable(torch.randn(2 * 176, 576))   # 16-row halves, not whole panel pairs
 
 
 def test_panel_matmul_rows_do_not_depend_on_the_batch() -> None:

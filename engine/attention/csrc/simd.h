@@ -1,16 +1,16 @@
-/* AVX-512 helpers the attention kernels share (each kernel source includes this file; the
- * kernel cache key hashes this directory's headers too).
+/* AVX-512 helpers the C kernels share (the attention kernels and engine/csrc/layer_ops.c include
+ * this file; a build's cache key hashes the headers its source includes).
  *
- * exp512: exp over 16 floats for the softmax, x <= 0 there (scores minus their running max).
- * Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a degree-6
- * polynomial, 2^n by vscalefps; |rel err| < 2 ulp over the softmax's range. The clamp keeps 2^n
- * representable and turns the kernels' -3e38 "no max yet" sentinel into a factor of ~0. */
+ * exp512: exp over 16 floats, for the softmax (x <= 0 there: scores minus their running max)
+ * and SiLU. Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a degree-6
+ * polynomial, 2^n by vscalefps; |rel err| < 2 ulp up to x ~ 88, +inf past it (as exp
+ * overflows). The clamp below keeps 2^n representable and turns the kernels' -3e38 "no max
+ * yet" sentinel into a factor of ~0. */
 #ifndef KVPOOL_SIMD_H
 #define KVPOOL_SIMD_H
 #include <immintrin.h>
 
 static inline __m512 exp512(__m512 x) {
-    /* x <= 0 here (scores minus their running max); clamp keeps 2^n representable */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
