@@ -104,15 +104,16 @@ typedef float v16 __attribute__((vector_size(64)));
 #include "../attention/csrc/simd.h"
 #endif
 
-/* silu(g) * u over 16 lanes: g / (1 + exp(-g)) * u, as silu_mul_f32 computes it. */
-static inline __attribute__((always_inline)) v16 silu_mul16(v16 g, v16 u) {
+/* out[0..15] = silu(g) * u over 16 lanes: g / (1 + exp(-g)) * u, as silu_mul_f32 computes it.
+ * (Pointers, not vector arguments: a 64-byte vector passed by value is an ABI question that gcc
+ * warns about on machines without AVX-512.) */
+static inline __attribute__((always_inline)) void silu_mul16(const v16 *g, const v16 *u, float *out) {
 #ifdef __AVX512F__
-    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), (__m512)g), _mm512_set1_ps(SILU_EXP_MAX)));
-    return (v16)_mm512_mul_ps(_mm512_div_ps((__m512)g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (__m512)u);
+    const __m512 gv = (__m512)*g;
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(SILU_EXP_MAX)));
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (__m512)*u));
 #else
-    v16 o;
-    for (int j = 0; j < 16; j++) o[j] = g[j] / (1.f + expf(fminf(-g[j], SILU_EXP_MAX))) * u[j];
-    return o;
+    for (int j = 0; j < 16; j++) out[j] = (*g)[j] / (1.f + expf(fminf(-(*g)[j], SILU_EXP_MAX))) * (*u)[j];
 #endif
 }
 
@@ -135,8 +136,7 @@ static inline __attribute__((always_inline)) void panel_block(
     }
     for (int64_t r = 0; r < m; r++) {
         if (gated) {
-            const v16 o = silu_mul16(a0[r], a1[r]);
-            __builtin_memcpy(Y + r * y_stride, &o, sizeof o);
+            silu_mul16(&a0[r], &a1[r], Y + r * y_stride);
         } else {
             __builtin_memcpy(Y + r * y_stride, &a0[r], sizeof a0[r]);
             __builtin_memcpy(Y + r * y_stride + 16, &a1[r], sizeof a1[r]);
