@@ -168,10 +168,9 @@ class LlamaModel:
         """The rows the last layer needs past its K/V write, and their attention metadata, where
         that is fewer than the pass's `n` (a prompt's tokens but its last): the logits rows, when
         they are each sequence's last query tokens (what the runner asks for); else None."""
-        rows = logits_indices.tolist()
-        if len(rows) >= n:
+        if logits_indices.shape[0] >= n:  # decode passes: every row samples (no device-to-host copy)
             return None
-        sub = meta.query_tails(rows)
+        sub = meta.query_tails(logits_indices.tolist())
         return None if sub is None else (logits_indices.to(torch.long), sub)
 
     # The elementwise steps: fused C calls (engine/layer_ops.py) or torch ops, per `self.fused`.

@@ -8,7 +8,7 @@
  * x * rsqrt(mean(x^2) + eps) * w; RoPE x * cos + roll(x) * sin_signed; silu(g) * u); the sums run
  * in a different order, so results agree to float32 rounding, not to the bit.
  *
- * And gemm_f32, the linears' matmul over weights packed in panels (below).
+ * And gemm_f32 / gemm_silu_f32, the linears' matmul over weights packed in panels (below).
  */
 #include <math.h>
 #include <omp.h>
@@ -72,6 +72,8 @@ void rope_f32(float *x, int64_t row_stride, const int64_t *positions, const floa
  * g / inf into NaN where IEEE gives -0. Held, a gate below -88 gives g / 1.7e38, as good as 0. */
 #define SILU_EXP_MAX 88.f
 
+static inline float silu(float g) { return g / (1.f + expf(fminf(-g, SILU_EXP_MAX))); }
+
 /* out[i] = silu(gu[i][:inter]) * gu[i][inter:]; gu rows are 2 * inter long, out rows inter. */
 void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
     #pragma omp parallel for if (n >= PAR_ROWS) schedule(static)
@@ -79,7 +81,7 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
         const float *g = gu + i * 2 * inter;
         const float *u = g + inter;
         float *o = out + i * inter;
-        for (int64_t d = 0; d < inter; d++) o[d] = g[d] / (1.f + expf(fminf(-g[d], SILU_EXP_MAX))) * u[d];
+        for (int64_t d = 0; d < inter; d++) o[d] = silu(g[d]) * u[d];
     }
 }
 
@@ -113,7 +115,7 @@ static inline __attribute__((always_inline)) void silu_mul16(const v16 *g, const
     const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(SILU_EXP_MAX)));
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (__m512)*u));
 #else
-    for (int j = 0; j < 16; j++) out[j] = (*g)[j] / (1.f + expf(fminf(-(*g)[j], SILU_EXP_MAX))) * (*u)[j];
+    for (int j = 0; j < 16; j++) out[j] = silu((*g)[j]) * (*u)[j];
 #endif
 }
 
