@@ -144,8 +144,9 @@ def test_float32_decode_takes_the_kernel(decode_path: str, monkeypatch) -> None:
 
 def test_the_models_shapes() -> None:
     """SmolLM2-135M's decode shape (9 query heads on 3 KV heads, head_dim 64, 16-token blocks),
-    which the kernel runs in its own AVX-512 path where it can: every block edge, one key, long."""
-    contexts = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 700]
+    which the kernel runs in its own AVX-512 path where it can: every block edge, one key, long,
+    and past its 1,024-key chunks (one key over, several chunks), whose softmaxes fold together."""
+    contexts = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 700, 1023, 1024, 1025, 1040, 2100, 3077]
     q, cache, meta = random_pass([(1, c) for c in contexts] + [(5, 40)], seed=12, heads=9, kv_heads=3,
                                  head_dim=64, block=16)
     check(q, cache, meta, atol=1e-5)

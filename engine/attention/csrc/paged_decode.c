@@ -1,9 +1,10 @@
 /* Paged decode attention on CPU, reading K/V where they lie in the paged cache.
  *
  * One query token per sequence (a decode step). For each (sequence, KV head) the kernel walks
- * the sequence's block table, scores the head's `group` query heads against each key of a
- * block, and folds the block into a running softmax (max, sum, weighted V) as flash-decoding
- * does: K/V are read once, in place, never copied into a workspace.
+ * the sequence's block table, scores the head's `group` query heads against the keys, and folds
+ * them into a running softmax (max, sum, weighted V) as flash-decoding does (per block in
+ * `attend_one`, per chunk of blocks in `attend_g3`): K/V are read once, in place, never copied
+ * into a workspace.
  *
  * Layout (engine/kv_cache.py): element (block b, token t, kv head h, dim d) of layer L's K is at
  *   base + b * block_stride + L * layer_stride + t * token_stride + h * head_dim + d,
@@ -123,13 +124,83 @@ static __m512i sum_order(void) {
     return _mm512_loadu_si512(idx);
 }
 
-/* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. The queries and the
- * weighted V (3 x 64 each) stay in registers. Per block: each key's 3 partial products (one
- * vector per query head, no horizontal sum) go to a small buffer, `sum16` turns a head's 16 of
- * them into its 16 scores at once, one exp per head; K and V rows are loaded once for the 3
- * heads (simd.h's load_row64). The next block's
- * K and V rows of this head are prefetched into L2: each block lies elsewhere in memory, which
- * the hardware prefetcher cannot guess. Slots past ctx are never read (they may hold garbage). */
+#define CHUNK_BLOCKS 64  /* blocks scored before their softmax and V pass: 1,024 keys, 12 KB of scores */
+
+/* Prefetch one block's 16 rows of one head (K or V) into L2: each block lies elsewhere in
+ * memory, which the hardware prefetcher cannot guess. */
+static inline __attribute__((always_inline)) void prefetch_rows(const float *rows, int64_t token_stride) {
+    for (int t = 0; t < 16; t++)
+        for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(rows + t * token_stride + c * 16), _MM_HINT_T1);
+}
+
+/* One block's n (1..16) keys of one KV head scored against 3 query heads into sc[g][0..16):
+ * slots t >= n get 0 and lie past the sequence's end, which the softmax masks. Each key's 3
+ * partial products (one vector per query head) go to a small buffer and `sum16` turns a head's
+ * 16 of them into its 16 scores at once; each K row is loaded once for the 3 heads. */
+static inline __attribute__((always_inline)) void score_block(const __m512 q[3][4], const float *kb,
+                                                              int64_t token_stride, int n, float *sc0, float *sc1,
+                                                              float *sc2, __m512i order) {
+    float part[3][16][16] __attribute__((aligned(64)));
+    for (int t = 0; t < 16; t++) {
+        if (t >= n) {  /* slots past ctx are never read (they may hold garbage) */
+            for (int g = 0; g < 3; g++) _mm512_store_ps(part[g][t], _mm512_setzero_ps());
+            continue;
+        }
+        __m512 k0, k1, k2, k3;
+        load_row64(kb + t * token_stride, &k0, &k1, &k2, &k3);
+        for (int g = 0; g < 3; g++) {
+            __m512 s = _mm512_mul_ps(q[g][0], k0);
+            s = _mm512_fmadd_ps(q[g][1], k1, s);
+            s = _mm512_fmadd_ps(q[g][2], k2, s);
+            s = _mm512_fmadd_ps(q[g][3], k3, s);
+            _mm512_store_ps(part[g][t], s);
+        }
+    }
+    float *dst[3] = {sc0, sc1, sc2};
+    for (int g = 0; g < 3; g++) {
+        __m512 v[16];
+        for (int t = 0; t < 16; t++) v[t] = _mm512_load_ps(part[g][t]);
+        _mm512_store_ps(dst[g], _mm512_permutexvar_ps(order, sum16(v)));
+    }
+}
+
+/* sc[0..nt) (64-byte aligned, room for whole vectors) becomes exp(sc - m'), m' the larger of
+ * *mx and the chunk's max; *mx = m', *l = *l * exp(old mx - m') + the chunk's sum, and the
+ * factor exp(old mx - m') (0 on the first chunk, where *mx is -3e38) is returned for the
+ * weighted V sums. */
+static inline __attribute__((always_inline)) float softmax_chunk(float *sc, int64_t nt, float *mx, float *l) {
+    const int64_t nfull = nt / 16;
+    const __mmask16 tail = (__mmask16)((1u << (nt % 16)) - 1);
+    __m512 m = _mm512_set1_ps(-3.0e38f);
+    for (int64_t i = 0; i < nfull; i++) m = _mm512_max_ps(m, _mm512_load_ps(sc + i * 16));
+    if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_load_ps(sc + nfull * 16));
+    const float bm = _mm512_reduce_max_ps(m), nm = bm > *mx ? bm : *mx;
+    const float c = expf(*mx - nm);
+    *mx = nm;
+    const __m512 vm = _mm512_set1_ps(nm);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < nfull; i++) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sc + i * 16), vm));
+        _mm512_store_ps(sc + i * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+        const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_load_ps(sc + nfull * 16), vm)));
+        _mm512_store_ps(sc + nfull * 16, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    *l = *l * c + _mm512_reduce_add_ps(sum);
+    return c;
+}
+
+/* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. Two passes over each
+ * chunk of CHUNK_BLOCKS blocks: every key's score first (K pass), then one softmax over the
+ * chunk, then the weighted V sum (V pass); chunks fold into a running max and sum as
+ * flash-decoding's blocks do. Scoring a whole chunk before its softmax takes the per-block
+ * max / exp / rescale chain off the loop that streams K, so blocks overlap in the core and the
+ * loads keep the memory busy (the one-pass loop folded each block into the softmax before the
+ * next). The queries and the weighted V (3 x 64 each) stay in registers; the next block's rows
+ * are prefetched. */
 static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
                       const int64_t *table, int64_t ctx, const float *qs, float *o, float scale, __m512i order) {
     __m512 q[3][4], acc[3][4];
@@ -138,65 +209,38 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
             q[g][c] = _mm512_mul_ps(_mm512_loadu_ps(qs + g * 64 + c * 16), _mm512_set1_ps(scale));
             acc[g][c] = _mm512_setzero_ps();
         }
-    __m512 mx = _mm512_set1_ps(-3.0e38f), l = _mm512_setzero_ps();  /* lane g: query head g */
-    float part[3][16][16] __attribute__((aligned(64)));
-    float p[3][16] __attribute__((aligned(64)));
-    for (int64_t j = 0; j * 16 < ctx; j++) {
-        const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
-        const float *kb = kbase + table[j] * block_stride, *vb = kb + v_offset;
-        if ((j + 1) * 16 < ctx) {
-            const float *next = kbase + table[j + 1] * block_stride;
-            for (int t = 0; t < 16; t++)
-                for (int c = 0; c < 4; c++) {
-                    _mm_prefetch((const char *)(next + t * token_stride + c * 16), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(next + v_offset + t * token_stride + c * 16), _MM_HINT_T1);
+    float mx[3] = {-3.0e38f, -3.0e38f, -3.0e38f}, l[3] = {0.f, 0.f, 0.f};
+    float sc[3][CHUNK_BLOCKS * 16] __attribute__((aligned(64)));
+    const int64_t nblocks = (ctx + 15) / 16;
+    for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
+        const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
+        const int64_t nt = (j0 + nb) * 16 < ctx ? nb * 16 : ctx - j0 * 16;  /* keys in the chunk */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const int64_t j = j0 + jj;
+            if (j + 1 < nblocks) prefetch_rows(kbase + table[j + 1] * block_stride, token_stride);
+            const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            score_block(q, kbase + table[j] * block_stride, token_stride, n, sc[0] + jj * 16, sc[1] + jj * 16,
+                        sc[2] + jj * 16, order);
+        }
+        for (int g = 0; g < 3; g++) {
+            const __m512 c = _mm512_set1_ps(softmax_chunk(sc[g], nt, &mx[g], &l[g]));
+            for (int cc = 0; cc < 4; cc++) acc[g][cc] = _mm512_mul_ps(acc[g][cc], c);
+        }
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const int64_t j = j0 + jj;
+            const float *vb = kbase + table[j] * block_stride + v_offset;
+            if (jj + 1 < nb) prefetch_rows(kbase + table[j + 1] * block_stride + v_offset, token_stride);
+            const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            for (int t = 0; t < n; t++) {
+                __m512 v0, v1, v2, v3;
+                load_row64(vb + t * token_stride, &v0, &v1, &v2, &v3);
+                for (int g = 0; g < 3; g++) {
+                    const __m512 w = _mm512_set1_ps(sc[g][jj * 16 + t]);
+                    acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+                    acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+                    acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+                    acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
                 }
-        }
-        for (int t = 0; t < 16; t++) {
-            if (t >= n) {
-                for (int g = 0; g < 3; g++) _mm512_store_ps(part[g][t], _mm512_setzero_ps());
-                continue;
-            }
-            __m512 k0, k1, k2, k3;
-            load_row64(kb + t * token_stride, &k0, &k1, &k2, &k3);
-            for (int g = 0; g < 3; g++) {
-                __m512 s = _mm512_mul_ps(q[g][0], k0);
-                s = _mm512_fmadd_ps(q[g][1], k1, s);
-                s = _mm512_fmadd_ps(q[g][2], k2, s);
-                s = _mm512_fmadd_ps(q[g][3], k3, s);
-                _mm512_store_ps(part[g][t], s);
-            }
-        }
-        const __mmask16 valid = (__mmask16)((1u << n) - 1);
-        float bm[16] __attribute__((aligned(64))) = {0};
-        __m512 sc[3];
-        for (int g = 0; g < 3; g++) {
-            __m512 v[16];
-            for (int t = 0; t < 16; t++) v[t] = _mm512_load_ps(part[g][t]);
-            sc[g] = _mm512_mask_mov_ps(_mm512_set1_ps(-3.0e38f), valid, _mm512_permutexvar_ps(order, sum16(v)));
-            bm[g] = _mm512_reduce_max_ps(sc[g]);
-        }
-        const __m512 nm = _mm512_max_ps(mx, _mm512_load_ps(bm));
-        float c[16] __attribute__((aligned(64))), sums[16] __attribute__((aligned(64))) = {0};
-        _mm512_store_ps(c, exp512(_mm512_sub_ps(mx, nm)));  /* the old sums' rescale, all heads */
-        mx = nm;
-        for (int g = 0; g < 3; g++) {
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sc[g], _mm512_set1_ps(nm[g]))));
-            _mm512_store_ps(p[g], e);
-            sums[g] = _mm512_reduce_add_ps(e);
-            const __m512 cg = _mm512_set1_ps(c[g]);
-            for (int cc = 0; cc < 4; cc++) acc[g][cc] = _mm512_mul_ps(acc[g][cc], cg);
-        }
-        l = _mm512_fmadd_ps(l, _mm512_load_ps(c), _mm512_load_ps(sums));
-        for (int t = 0; t < n; t++) {
-            __m512 v0, v1, v2, v3;
-            load_row64(vb + t * token_stride, &v0, &v1, &v2, &v3);
-            for (int g = 0; g < 3; g++) {
-                const __m512 w = _mm512_set1_ps(p[g][t]);
-                acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
-                acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
-                acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
-                acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
             }
         }
     }
