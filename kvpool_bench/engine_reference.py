@@ -13,6 +13,8 @@ no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
     throughput          `--requests` prompts of `--min-prompt`..`--max-prompt` tokens, all
                         sent at once, `--output-tokens` each: output tokens / wall time,
                         TTFT and TPOT (a request's mean gap after its first token) p50 / p99
+    floor               the throughput run's float32 work at this machine's FMA peak and read
+                        bandwidth, measured after both servers stop (kvpool_bench/roofline.py)
 """
 from __future__ import annotations
 
@@ -159,8 +161,8 @@ def floor_of_run(args: argparse.Namespace, ours: dict, ref: dict) -> tuple[str, 
     from engine.loader.dispatch import load_model
     from kvpool_bench import roofline
 
-    shape = roofline.Shape.of(load_model(args.model, weights=False).config)
-    work = roofline.run_work(shape, ours["prompt_lens"], args.output_tokens)
+    config = load_model(args.model, weights=False).config
+    work = roofline.run_work(config, ours["prompt_lens"], args.output_tokens)
     ceilings = roofline.measure_ceilings(args.threads)
     return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours["wall_s"],
                             ref["output_tok_per_s"])

@@ -21,24 +21,9 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model_config import ModelConfig
+
 SOURCE = Path(__file__).with_name("csrc") / "peak.c"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the work depends on (engine.model_config.ModelConfig has these fields)."""
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, config: object) -> Shape:
-        """From a ModelConfig (or anything with these attributes)."""
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -59,7 +44,7 @@ class Ceilings:
     threads: int
 
 
-def run_work(shape: Shape, prompt_lens: list[int], output_tokens: int, dtype_bytes: int = 4) -> Work:
+def run_work(shape: ModelConfig, prompt_lens: list[int], output_tokens: int, dtype_bytes: int = 4) -> Work:
     """The work of generating `output_tokens` tokens after each prompt (no prefix hits, no
     speculation): the first token comes from the prompt's pass, each later one from a decode
     pass over one token at context prompt + tokens so far."""

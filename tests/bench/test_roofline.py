@@ -7,10 +7,18 @@ import random
 import pytest
 import torch
 
+from engine.model_config import ModelConfig
 from kvpool_bench import roofline
 
-TINY = roofline.Shape(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2,
-                      num_kv_heads=1, head_dim=2)
+
+def shape(vocab: int, heads: int, head_dim: int, kv_heads: int, intermediate: int, layers: int) -> ModelConfig:
+    return ModelConfig(name="toy", vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=intermediate,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                       rope_theta=1e4, rms_eps=1e-5, max_position=4096, tie_embeddings=True, bos_token_id=1,
+                       eos_token_ids=(2,))
+
+
+TINY = shape(vocab=10, heads=2, head_dim=2, kv_heads=1, intermediate=6, layers=2)
 
 
 def test_a_hand_counted_run() -> None:
@@ -26,7 +34,7 @@ def test_a_hand_counted_run() -> None:
     assert work.kv_read_bytes == 128
 
 
-def simulate(shape: roofline.Shape, prompts: list[int], output_tokens: int) -> roofline.Work:
+def simulate(shape: ModelConfig, prompts: list[int], output_tokens: int) -> roofline.Work:
     """The same work pass by pass, token by token: an independent count of run_work's sums."""
     h, i, layers = shape.hidden_size, shape.intermediate_size, shape.num_layers
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -52,11 +60,11 @@ def test_the_sums_match_a_token_by_token_count() -> None:
     """Random shapes and prompts: run_work's closed forms equal the pass-by-pass count."""
     rng = random.Random(3)
     for _ in range(20):
-        shape = roofline.Shape(rng.randint(10, 500), rng.randint(2, 64), rng.randint(2, 128), rng.randint(1, 4),
-                               rng.choice([2, 4, 6]), rng.choice([1, 2]), rng.randint(1, 16))
+        cfg = shape(vocab=rng.randint(10, 500), heads=rng.choice([2, 4, 6]), head_dim=rng.randint(1, 16),
+                    kv_heads=rng.choice([1, 2]), intermediate=rng.randint(2, 128), layers=rng.randint(1, 4))
         prompts = [rng.randint(1, 40) for _ in range(rng.randint(1, 5))]
         out = rng.randint(1, 9)
-        got, want = roofline.run_work(shape, prompts, out), simulate(shape, prompts, out)
+        got, want = roofline.run_work(cfg, prompts, out), simulate(cfg, prompts, out)
         assert got.linear_flops == want.linear_flops
         assert got.attention_flops == want.attention_flops
         assert got.kv_read_bytes == want.kv_read_bytes
