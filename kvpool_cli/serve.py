@@ -150,6 +150,7 @@ def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from engine.server.app import build_app
+    from engine.server.async_engine import EngineHost
 
     try:
         api_key = read_api_key(args.api_key_file)
@@ -159,10 +160,11 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"kvpool serve: error: {err}", file=sys.stderr)
         return 2
-    engine = _build_engine(args, "serve")
+    host = EngineHost(lambda: _build_engine(args, "serve"))  # built on the thread that will step it
+    engine = host.engine
     if engine is None:
         return 1
-    app = build_app(engine, max_request_bytes, api_key, args.max_pending_requests)
+    app = build_app(engine, max_request_bytes, api_key, args.max_pending_requests, host)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.llm_engine import EngineError, LLMEngine
-from engine.server.async_engine import AsyncEngine
+from engine.server.async_engine import AsyncEngine, EngineHost
 from engine.server.memory import memory_stats
 from engine.server.metrics import Metrics
 from engine.server.protocol import BadRequest, ParsedRequest, completion_body, error_body, logprobs_body, parse, usage
@@ -202,12 +202,13 @@ def api_key_middleware(api_key: str):  # noqa: ANN201
 
 
 def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str = "",
-              max_pending_requests: int = 0) -> web.Application:
+              max_pending_requests: int = 0, host: EngineHost | None = None) -> web.Application:
     """`max_pending_requests` > 0: a generation request beyond that many in flight (running
-    or waiting) gets HTTP 503 (type server_error, code overloaded, Retry-After) at once."""
+    or waiting) gets HTTP 503 (type server_error, code overloaded, Retry-After) at once.
+    `host`: the thread that built `engine`, which then runs its loop (EngineHost)."""
     middlewares = [errors] + ([api_key_middleware(api_key)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
-    aeng = AsyncEngine(engine, Metrics(engine.model_name), max_pending_requests)
+    aeng = AsyncEngine(engine, Metrics(engine.model_name), max_pending_requests, host)
     app[ENGINE] = aeng
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import EngineError, LLMEngine
@@ -32,8 +32,54 @@ class _Submit:
     kv_transfer_params: dict | None = None
 
 
+class EngineHost:
+    """A thread that builds the engine and later runs its loop (`AsyncEngine(..., host=)`).
+
+    Why one thread for both: OpenMP (torch's and the C kernels') keeps a pool of worker threads
+    per thread that starts parallel regions, and once a process holds more such threads than
+    CPUs, libgomp cuts every worker's spin between regions to ~100 rounds: the workers sleep
+    and each region pays a futex wake-up. An engine loaded on the main thread and stepped on
+    another holds two pools; a 16-token prefill took 44-46 ms that way against 28-32 on one
+    thread (docs/BENCHMARKS.md). `torch.set_num_threads` is also per thread under OpenMP, so
+    `--threads` only reaches the loop when the loop's thread applies it.
+
+    `build` runs on the new thread; its result (None: it failed and said why) is `engine`,
+    and an exception it raises is raised here."""
+
+    def __init__(self, build: Callable[[], LLMEngine | None]) -> None:
+        self._build = build
+        self._loop: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)
+        self._ready = threading.Event()
+        self.engine: LLMEngine | None = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        try:
+            self.engine = self._build()
+        except BaseException as err:  # handed to the constructor's caller
+            self._error = err
+        finally:
+            self._ready.set()
+        if self.engine is None:
+            return
+        run = self._loop.get()
+        if run is not None:
+            run()
+
+    def run(self, loop: Callable[[], None]) -> None:
+        """Run `loop` on the engine's thread (once)."""
+        self._loop.put(loop)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics, max_in_flight: int = 0) -> None:
+    def __init__(self, engine: LLMEngine, metrics: Metrics, max_in_flight: int = 0,
+                 host: EngineHost | None = None) -> None:
+        """`host`: the thread that built `engine` runs the loop (see EngineHost); else a new one."""
         self.engine = engine
         self.metrics = metrics
         self.max_in_flight = max_in_flight  # 0 = no admission limit
@@ -41,7 +87,8 @@ class AsyncEngine:
         self.rejected = 0
         self._inbox: queue.Queue[_Submit | str | None] = queue.Queue()
         self._sinks: dict[str, _Submit] = {}
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._host = host
+        self._thread = host.thread if host else threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.dead: str | None = None
 
     def admit(self) -> bool:
@@ -56,7 +103,10 @@ class AsyncEngine:
         self.in_flight -= 1
 
     def start(self) -> None:
-        self._thread.start()
+        if self._host is not None:
+            self._host.run(self._run)
+        else:
+            self._thread.start()
 
     def stop(self) -> None:
         self._inbox.put(None)
