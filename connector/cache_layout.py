@@ -2,17 +2,15 @@
 
 A pool slot always holds a block as one contiguous payload (all layers, K and V). A host's
 cache lays the same bytes out its own way:
-- `SlottedCache` (our engine): each block contiguous, in slot strides, with room for the
-  pool's slot header before it, so a block lands with its header in one transfer range;
+- `SlottedCache` (our engine): each block contiguous, in slot strides (room for a slot
+  header before each payload, so the engine's cache can be read like a pool slot);
 - `LayeredCache` (vLLM on CPU): one tensor per layer; a block's payload is its slice of
-  each layer, in layer order, read as one transfer batch of per-layer ranges (the header
-  goes to the pool's scratch).
+  each layer, in layer order (a load copies it there slice by slice, a save gathers it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.layout import HEADER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +18,6 @@ class SlottedCache:
     base: int            # address of block 0's slot
     slot_bytes: int      # stride between blocks
     header_bytes: int    # room before each payload (>= the pool's header: reads land in one range)
-
-    @property
-    def header_room(self) -> bool:
-        return self.header_bytes >= HEADER_BYTES
 
     def payload(self, block_id: int) -> int:
         return self.base + block_id * self.slot_bytes + self.header_bytes
@@ -33,8 +27,6 @@ class SlottedCache:
 class LayeredCache:
     layer_bases: tuple[int, ...]   # address of block 0 in each layer's tensor, layer order
     block_stride: int              # bytes between blocks inside one layer's tensor
-
-    header_room = False
 
     def payload(self, block_id: int) -> tuple[int, ...]:
         off = block_id * self.block_stride

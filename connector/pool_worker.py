@@ -4,8 +4,9 @@ Host-independent: it sees the host's KV cache as one registered region and a
 `connector.cache_layout` saying where each block's bytes lie in it (contiguous with header
 room, or one slice per layer), and takes plain load and save specs (`connector.messages`).
 
-Loads are `NodePool.get` reads straight into the registered cache (no staging copy): one
-range per block with header room, else a range per layer slice and one for the header.
+Loads are `NodePool.get` reads: each block lands whole in the pool's read buffer, is
+validated there and copied into its cache block (one copy per contiguous block, or one per
+layer slice), so a failed transfer never writes into the cache.
 Completion is polled in `finished_loads()` or awaited in `wait_for_loads()` (woken by the
 read's progress callback, no sleep loop); blocks that
 failed validation come out of `take_load_errors()` for the host to recompute. Saves copy
@@ -83,7 +84,6 @@ class PoolWorker:
             raise
         self.pool: NodePool | None = pool
         self._saver = Saver(pool.put, block_bytes, settings.save_queue_blocks) if settings.async_saves else None
-        self._cache_base = 0
         self._layout: CacheLayout | None = None
         self._loads: dict[str, _Load] = {}
         self._recved: set[str] = set()
@@ -94,12 +94,10 @@ class PoolWorker:
         self._sent: dict[str, dict] = {}     # finished sends -> their transfer params (not reported yet)
         self._reported: dict[str, dict] = {}  # reported by finished_sends, params not taken yet
 
-    def register_cache(self, base_addr: int, nbytes: int, layout: CacheLayout) -> None:
-        """The host's KV cache: `nbytes` at `base_addr` (registered once, as one region, as
-        the destination of reads), its blocks where `layout` says."""
-        assert self.pool is not None
-        self.pool.register_memory(base_addr, nbytes)
-        self._cache_base, self._layout = base_addr, layout
+    def register_cache(self, layout: CacheLayout) -> None:
+        """The host's KV cache: its blocks where `layout` says (loads copy into them, saves
+        copy out of them; the transfer engine never writes there)."""
+        self._layout = layout
 
     # ---- loads ----------------------------------------------------------------------
 
@@ -124,7 +122,7 @@ class PoolWorker:
             assert layout is not None, "register_cache() before loads"
             try:
                 load.handle = self.pool.get(spec.locations, spec.nodes, [layout.payload(b) for b in spec.block_ids],
-                                            header_room=layout.header_room, on_progress=self._progress.set)
+                                            on_progress=self._progress.set)
             except PoolError as err:
                 log.warning("load for %s rejected: %s", rid, err)
                 self._finish_load(rid, spec, failed=range(len(spec.block_ids)))
@@ -264,7 +262,7 @@ class PoolWorker:
         return out
 
     def close(self) -> None:
-        """Let reads in flight land, unregister the cache, close the pool. Idempotent."""
+        """Let reads in flight settle, close the pool. Idempotent."""
         if self.pool is None:
             return
         if self._saver is not None:
@@ -272,9 +270,6 @@ class PoolWorker:
         for load in self._loads.values():
             if load.handle is not None:
                 load.handle.wait()
-        if self._cache_base:
-            self.pool.unregister_memory(self._cache_base)
-            self._cache_base = 0
         self.pool.close()
         self.pool = None
         self._client.close()

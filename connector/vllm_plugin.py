@@ -17,9 +17,9 @@ objects into their plain values.
   non-cryptographic one its seed is random unless PYTHONHASHSEED is set (warned at start).
 - Loads are asynchronous (WAITING_FOR_REMOTE_KVS until `get_finished` reports them). vLLM's
   CPU cache is one tensor per layer, `[num_blocks, kv_heads, block_size, 2 * head_dim]`, all
-  views of one buffer: the buffer is registered once, and a pool block (the block's slice of
-  every layer, in layer order) is read as one transfer batch of per-layer ranges straight
-  into the cache and validated (header + checksum). Only full blocks are saved, after the
+  views of one buffer: a pool block (the block's slice of every layer, in layer order) lands
+  whole in the pool's read buffer, is validated there (header + checksum) and copied slice by
+  slice into the cache; a failed transfer never writes into vLLM's cache. Only full blocks are saved, after the
   forward pass (`wait_for_save`); a partial last block is always recomputed.
 - Failures: blocks that failed are reported by `get_block_ids_with_load_errors`; use
   `kv_load_failure_policy: recompute` (vLLM's default is `fail`). A request whose load
@@ -234,7 +234,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ---- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register vLLM's KV buffer once (one region) and start this node's pool."""
+        """Learn where vLLM's KV cache blocks are and start this node's pool."""
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_index)]
         elem = layers[0].element_size()
         stride = layers[0].stride(0) * elem
@@ -243,12 +243,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             if t.stride(0) * elem != stride or not t[0].is_contiguous() or t[0].numel() * elem != layer_bytes:
                 raise ValueError(f"KVPoolConnector needs per-layer caches [num_blocks, ...] with contiguous "
                                  f"blocks of one size; got shape {tuple(t.shape)} strides {t.stride()}")
-        lo = min(t.data_ptr() for t in layers)
-        hi = max(t.data_ptr() + t.shape[0] * stride for t in layers)
         self._worker = PoolWorker(self._settings, self._fingerprint, layer_bytes * len(layers))
-        self._worker.register_cache(lo, hi - lo, LayeredCache(tuple(t.data_ptr() for t in layers), stride))
-        log.info("kvpool: %d layers, %d-byte blocks, %.0f MiB of KV registered", len(layers),
-                 layer_bytes * len(layers), (hi - lo) / 2**20)
+        self._worker.register_cache(LayeredCache(tuple(t.data_ptr() for t in layers), stride))
+        log.info("kvpool: %d layers, %d-byte blocks, %d blocks of KV", len(layers), layer_bytes * len(layers),
+                 layers[0].shape[0])
 
     def _meta(self) -> PoolConnectorMetadata:
         meta = self._get_connector_metadata()

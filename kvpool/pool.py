@@ -1,7 +1,7 @@
 """A node's share of the global KV pool: a DRAM buffer of block slots, published cluster-wide.
 
 Where it sits: the connector puts newly computed blocks here and reads hit blocks through
-`get()`, straight into the engine's registered KV cache. The buffer is registered with the
+`get()` into the engine's KV cache (through this node's read buffer: `kvpool.reader`). The buffer is registered with the
 Mooncake Transfer Engine so other nodes read slots one-sidedly; the metaserver learns what
 this node holds through batched Publish calls (`kvpool.publisher`).
 
@@ -29,7 +29,7 @@ from kvpool.config import PoolConfig
 from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
                            view)
 from kvpool.publisher import Publisher
-from kvpool.reader import Peers, ReadContext, ReadHandle, Scratch
+from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
@@ -37,6 +37,8 @@ from metaserver.errors import MetaError
 from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
+
+READ_SLOTS_MIN = 64  # read-buffer slots of even a small pool (the buffer's pages are mapped as used)
 
 
 class PoolError(Exception):
@@ -61,7 +63,11 @@ class NodePool:
         self.capacity_bytes = self._buf.nbytes
         self.te = TransferEngine(config.transfer)
         self.te.register(self.buffer_address, self.capacity_bytes)
-        scratch = Scratch(self.te, config.max_read_blocks)
+        self.stats = PoolStats()
+        # Remote blocks land here before the copy to their destination (kvpool.reader): a
+        # quarter of the pool's slots, at least READ_SLOTS_MIN, at most max_read_blocks.
+        landing = Landing(self.te, min(config.max_read_blocks, max(READ_SLOTS_MIN, self.num_slots // 4)),
+                          self.slot_bytes, self.stats)
         # Threads that wait (GIL released) for transfer batches to complete.
         self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
         self._lock = threading.Lock()
@@ -69,8 +75,7 @@ class NodePool:
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._writing: set[BlockHash] = set()  # blocks being copied in by `put` (their slots taken)
         self._lru: OrderedDict[BlockHash, _Slot] = OrderedDict()  # oldest first
-        self.stats = PoolStats()
-        self._reads = ReadContext(self.te, self._completer, scratch, Peers(self.te, scratch), self.stats,
+        self._reads = ReadContext(self.te, self._completer, landing, Peers(self.te, landing), self.stats,
                                   config.read_timeout_s)
         self.client = client
         self._publisher: Publisher | None = None
@@ -246,38 +251,24 @@ class NodePool:
     # ---- reads ----------------------------------------------------------------------
 
     def get(self, locations: Sequence[BlockLocation], nodes: dict[NodeId, NodeRecord],
-            dest_addrs: Sequence[Payload], header_room: bool = False,
-            on_progress: Callable[[], None] | None = None) -> ReadHandle:
+            dest_addrs: Sequence[Payload], on_progress: Callable[[], None] | None = None) -> ReadHandle:
         """Read each located block's payload to its destination (one address, or the addresses
         of equal segments, e.g. one per layer); returns a pollable handle.
 
         Blocks in this node's pool are copied at once; the rest are read with one transfer
-        batch per source node. Destinations must lie in memory registered with
-        `register_memory`. With `header_room`, the HEADER_BYTES before each destination are
-        the caller's scratch (a cache laid out in slot strides): each block is then read as
-        one contiguous range, header and payload together, and blocks that sit back to back
-        on both sides as one range; otherwise the header goes to a separate scratch area (a
-        range for it and one per payload segment). `on_progress` is called (on any thread) whenever a transfer batch
-        of the read finishes, so a caller can wait on an event instead of polling; `done()`
-        then settles the read. Raises PoolError for bad arguments; read failures are reported
-        by the handle as failed block indices.
+        batch per source node into this node's read buffer, validated there and copied to
+        their destinations by the handle (`kvpool.reader`): a destination is never written
+        by a transfer, so a failed one cannot touch it. `on_progress` is called (on any
+        thread) whenever a transfer batch of the read finishes, so a caller can wait on an
+        event instead of polling; `done()` then settles the read. Raises PoolError for bad
+        arguments; read failures are reported by the handle as failed block indices.
         """
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
         n = self.config.block_bytes
-        segmented = any(not isinstance(d, int) for d in dest_addrs)
-        if segmented and header_room:
-            raise PoolError("header_room needs contiguous destinations (one address per block)")
-        pre = HEADER_BYTES if header_room else 0
-        one_region = not segmented and self._in_one_region(dest_addrs, pre, n)
-        if not one_region:
-            for i, dst in enumerate(dest_addrs):  # not all in one region: name the first one outside
-                if not isinstance(dst, int) and (not dst or n % len(dst)):
-                    raise PoolError(f"destination #{i}: {len(dst)} segments do not split a {n}-byte block evenly")
-                for addr, _, length in segments_of(dst, n):
-                    if not self.te.is_registered(addr - pre, length + pre):
-                        raise PoolError(f"destination #{i} [{addr - pre:#x}, +{length + pre}) is outside "
-                                        "registered memory")
+        for i, dst in enumerate(dest_addrs):
+            if not isinstance(dst, int) and (not dst or n % len(dst)):
+                raise PoolError(f"destination #{i}: {len(dst)} segments do not split a {n}-byte block evenly")
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
         local: list[int] = []
         remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
@@ -297,14 +288,7 @@ class NodePool:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
         local_ok = self._read_local(locations, dest_addrs, local) if local else set()
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
-                          local_ok, [i for i in local if i not in local_ok], header_room, merge_ranges=one_region,
-                          on_progress=on_progress)
-
-    def _in_one_region(self, dest_addrs: Sequence[Payload], pre: int, n: int) -> bool:
-        if not dest_addrs:
-            return False
-        lo, hi = min(dest_addrs), max(dest_addrs)  # type: ignore[type-var]  # contiguous: ints
-        return self.te.is_registered(lo - pre, hi - lo + pre + n)
+                          local_ok, [i for i in local if i not in local_ok], on_progress=on_progress)
 
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
         n = self.config.block_bytes

@@ -1,20 +1,32 @@
 """Validated remote reads: transfer batches per source node, polled to completion.
 
-Each block's payload goes straight into the caller's destination (the engine's KV cache:
-no staging copy). Its 64-byte slot header comes along in the same batch: as part of one
-contiguous range when the caller left header room before each destination (a cache in
-slot strides), else as a second range into a registered scratch area. With header room,
-blocks that sit back to back on both sides travel as one range (`coalesce`).
-When a batch completes, each block is accepted only if the
-header's magic, hash and generation match the index's promise and the payload's checksum
-matches the header; otherwise it is reported failed and the caller recomputes it.
+Each block is read whole (header, then payload: one range) into a landing slot of this
+node's read buffer, validated there, and only then copied to the caller's destination (the
+engine's KV cache). The copy is what makes a failed read harmless: the Mooncake binding
+reports a batch failed at its first failed range, or when its own time bound passes, while
+other ranges of the batch may still be in flight or queued, and those keep writing into
+their local addresses afterwards. A failed batch's landing slots are therefore quarantined
+(never handed out again; counted in `PoolStats.quarantined_slots`), and a destination is
+written only by this module's own copy of bytes that validated after a batch the engine
+reported complete (then every range of it is done). So no byte of a failed, timed-out or
+aborted transfer can reach a cache block the engine recomputed meanwhile or gave to another
+request.
+
+A batch is settled only once the transfer engine has answered for it, never at the caller's
+deadline alone (the deadline fails batches never posted; a posted one is bounded by the
+engine's own transfer timeout): a block is reported loaded or failed only when it is final.
+A block is accepted only if the header's magic, hash and generation match the index's
+promise and the payload's checksum matches the header; otherwise it is reported failed and
+the caller recomputes it. Landing slots that sit back to back on both sides travel as one
+range (`coalesce`).
 
 The first transfer with a source makes the transfer engine's handshake with it, inside the
 submit call: a frozen source (SIGSTOP, a hung host) accepts the connection and never answers,
 and the call blocks for about a minute. So the caller's thread (the engine loop) never makes
-first contact: `Peers` does it with a header-sized read into scratch on a thread of its own,
-and the batch is posted only once that read returned and only if the caller has not given up
-by then (its deadline passed: the blocks were reported failed and are being recomputed).
+first contact: `Peers` does it with a header-sized read into a landing slot on a thread of
+its own, and the batch is posted only once that read returned and only if the caller has not
+given up by then (its deadline passed: the blocks were reported failed and are being
+recomputed).
 
 Completion: the binding's only whole-batch status call spins until the batch is done. A
 caller that blocks in `wait()` spins on it itself, when the transfer engine's own time bound
@@ -27,6 +39,7 @@ in order, so the blocks of one are validated (checksummed) while the next is sti
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, Payload, segments_of, valid_block
+from kvpool.layout import HEADER_BYTES, Payload, memcpy, segments_of, valid_block
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeRecord
@@ -87,62 +100,64 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     return out_l, out_r, out_n
 
 
-def batch_ranges(dests: Sequence[Payload], slots: list[int], nbytes: int, headers: list[int] | None = None,
-                 merge: bool = False) -> tuple[list[int], list[int], list[int]]:
-    """The (local, remote, length) ranges one batch posts to read the blocks in source slots
-    `slots` (each a header, then `nbytes` of payload) to payload destinations `dests`.
-    Without `headers` the caller left header room before each (contiguous) destination: one
-    range per block, header and payload together, and with `merge` (all destinations in one
-    registered region) back-to-back blocks as one range (`coalesce`). With `headers` (where
-    each block's header goes) a range for the header and one per payload segment."""
-    if headers is None:
-        local = [d - HEADER_BYTES for d in dests]  # type: ignore[operator]  # contiguous: ints
-        lengths = [HEADER_BYTES + nbytes] * len(dests)
-        return coalesce(local, slots, lengths) if merge else (local, slots, lengths)
-    local, remote, lengths = [], [], []
-    for header, dest, slot in zip(headers, dests, slots):
-        local.append(header)
-        remote.append(slot)
-        lengths.append(HEADER_BYTES)
-        for addr, offset, n in segments_of(dest, nbytes):
-            local.append(addr)
-            remote.append(slot + HEADER_BYTES + offset)
-            lengths.append(n)
-    return local, remote, lengths
+def batch_ranges(landing: list[int], slots: list[int], slot_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """The (local, remote, length) ranges one batch posts to read whole source slots (at
+    remote addresses `slots`) into landing slots (at `landing`): one range per block, back-to-
+    back blocks as one range (`coalesce`; the landing area is one registered region)."""
+    return coalesce(landing, slots, [slot_bytes] * len(slots))
 
 
-class Scratch:
-    """Registered memory for slot headers of in-flight reads, handed out in index sets."""
+class Landing:
+    """This node's read buffer: slots, each the size of a pool slot, where remote blocks land
+    and are validated before they are copied on; registered with the transfer engine.
 
-    def __init__(self, te: TransferEngine, num_headers: int) -> None:
-        self._buf = np.zeros(num_headers * HEADER_BYTES, dtype=np.uint8)
+    Slots are handed out last-freed first, so the pages in use stay those of the deepest
+    concurrency seen (the mapping is lazy). A slot that a failed transfer may still write
+    into is never given back (`quarantine`): it is lost to reads, and counted."""
+
+    def __init__(self, te: TransferEngine, num_slots: int, slot_bytes: int, stats: PoolStats) -> None:
+        self._mem = mmap.mmap(-1, num_slots * slot_bytes)  # page-aligned, zeroed on first touch
+        self._buf = np.frombuffer(self._mem, dtype=np.uint8)
         self.addr = self._buf.ctypes.data
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
         te.register(self.addr, self._buf.nbytes)
-        self._free = list(range(num_headers))
+        self._stats = stats
+        self._free = list(range(num_slots - 1, -1, -1))
         self._lock = threading.Lock()
 
     def take(self, n: int) -> list[int] | None:
+        """`n` free slots (in address order, so neighbours coalesce), or None if fewer are free."""
         with self._lock:
             if len(self._free) < n:
                 return None
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
+            taken = self._free[-n:]
+            del self._free[-n:]
+            return sorted(taken)
 
     def slot_addr(self, i: int) -> int:
-        return self.addr + i * HEADER_BYTES
+        return self.addr + i * self.slot_bytes
 
     def give(self, idx: Sequence[int]) -> None:
         with self._lock:
-            self._free.extend(idx)
+            self._free.extend(sorted(idx, reverse=True))
+
+    def quarantine(self, idx: Sequence[int]) -> None:
+        """Slots a failed transfer may still write into: never handed out again."""
+        if idx:
+            with self._lock:
+                self._stats.quarantined_slots += len(idx)
+            log.warning("%d read-buffer slots quarantined after a failed transfer (%d of %d left)", len(idx),
+                        len(self._free), self.num_slots)
 
 
 class Peers:
     """Which sources the transfer engine has made contact with, and first contact off the
     caller's thread (one handshake at a time per source; later reads wait on it)."""
 
-    def __init__(self, te: TransferEngine, scratch: Scratch) -> None:
+    def __init__(self, te: TransferEngine, landing: Landing) -> None:
         self._te = te
-        self._scratch = scratch
+        self._landing = landing
         self._lock = threading.Lock()
         self._known: set[str] = set()
         self._pending: dict[str, Future[None]] = {}
@@ -151,7 +166,7 @@ class Peers:
         return session in self._known
 
     def contact(self, session: str, remote_addr: int) -> Future[None]:
-        """Read the HEADER_BYTES at `remote_addr` of `session` (a slot header) into scratch on a
+        """Read the HEADER_BYTES at `remote_addr` of `session` (a slot header) into a landing slot on a
         daemon thread; the future fails with TransferError if the read did."""
         with self._lock:
             if session in self._known:
@@ -166,17 +181,17 @@ class Peers:
         return fut
 
     def _handshake(self, session: str, remote_addr: int, fut: Future[None]) -> None:
-        taken = self._scratch.take(1)
+        taken = self._landing.take(1)
         err: TransferError | None = None
         if taken is None:
-            err = TransferError("read scratch exhausted")
+            err = TransferError("read buffer exhausted")
         else:
             try:
-                self._te.read_sync(session, [self._scratch.slot_addr(taken[0])], [remote_addr],
-                                   [HEADER_BYTES])
-                self._scratch.give(taken)  # a failed read may still land: its scratch is not reused
+                self._te.read_sync(session, [self._landing.slot_addr(taken[0])], [remote_addr], [HEADER_BYTES])
+                self._landing.give(taken)
             except TransferError as e:
                 err = e
+                self._landing.quarantine(taken)  # the failed read may still land there
         with self._lock:
             del self._pending[session]
             if err is None:
@@ -192,7 +207,7 @@ class ReadContext:
     """What all reads of one node share."""
     te: TransferEngine
     completer: ThreadPoolExecutor  # threads that complete batches for callers that poll
-    scratch: Scratch               # registered memory for slot headers (reads without header room)
+    landing: Landing               # where remote blocks land and are validated before the copy
     peers: Peers                   # the sources the engine has made contact with
     stats: PoolStats
     timeout_s: float               # a read not finished by then fails
@@ -202,34 +217,34 @@ class ReadContext:
 class _Batch:
     session: str
     idx: list[int]            # the request's block indices it reads
-    scratch: list[int]        # header scratch slots, one per block (reads without header room)
-    posted: bool = False      # the read into the destinations was submitted (it may still land)
+    landing: list[int]        # landing slots, one per block, in the order of idx
+    posted: bool = False      # the read into the landing slots was submitted (it may still land)
     batch_id: int = 0         # the transfer engine's, once posted
     completing: bool = False  # a thread (the completer or a waiting caller) completes it
     finished: bool = False    # the transfer engine answered (or the post or first contact failed)
     error: Exception | None = None  # why it failed, when it did
     settled: bool = False     # its blocks were validated and counted as ok or failed
+    late: bool = False        # posted and past the caller's deadline (logged once; settles when answered)
     nbytes: int = 0           # bytes the batch moves
 
 
 class ReadHandle:
     """An in-flight `NodePool.get`. Poll `done()` or block in `wait()`; thread-safe.
 
-    Block i of the request is `locations[i]`, its payload (`nbytes`) read to `dests[i]`; the
-    handle keeps the caller's sequences, which must not change while the read is in flight.
+    Block i of the request is `locations[i]`, its payload (`nbytes`) copied to `dests[i]` once
+    it landed and validated; the handle keeps the caller's sequences, which must not change
+    while the read is in flight. Destinations are written only on this handle's caller's
+    threads (inside `done()` / `wait()`), never by the transfer engine.
     `sources` lists, per source node, the indices to read from it; `local_ok` and
     `local_failed` are indices this node's own pool has already served or could not."""
 
     def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[Payload], nbytes: int,
                  sources: list[tuple[NodeRecord, list[int]]], local_ok: set[int] | None = None,
-                 local_failed: Sequence[int] = (), header_room: bool = False, merge_ranges: bool = False,
-                 on_progress: Callable[[], None] | None = None) -> None:
+                 local_failed: Sequence[int] = (), on_progress: Callable[[], None] | None = None) -> None:
         self._ctx = ctx
         self._locations = locations
         self._dests = dests
         self._nbytes = nbytes
-        self._header_room = header_room
-        self._merge_ranges = merge_ranges  # the destinations lie in one registered region
         self._on_progress = on_progress    # called when a batch finishes (the caller's wake-up)
         self._deadline = time.monotonic() + ctx.timeout_s
         # Reentrant: a handshake that is already done posts its batch inline, under the lock.
@@ -247,20 +262,17 @@ class ReadHandle:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
     def _submit_batch(self, node: NodeRecord, idx: list[int]) -> None:
-        headers = None
-        taken: list[int] = []
-        if not self._header_room:
-            scratch = self._ctx.scratch
-            got = scratch.take(len(idx))
-            if got is None:
-                log.warning("read scratch exhausted; %d blocks from %s fail", len(idx), node.node_id)
-                self._failed.update(idx)
-                return
-            taken = got
-            headers = [scratch.slot_addr(s) for s in taken]
-        base, dests, locations = node.buffer_address, self._dests, self._locations
-        local, remote, lengths = batch_ranges([dests[i] for i in idx], [base + locations[i].offset for i in idx],
-                                              self._nbytes, headers, self._merge_ranges)
+        landing = self._ctx.landing
+        taken = landing.take(len(idx))
+        if taken is None:
+            log.warning("read buffer exhausted (%d slots); %d blocks from %s fail", landing.num_slots, len(idx),
+                        node.node_id)
+            self._failed.update(idx)
+            self._ctx.stats.failed_reads += len(idx)
+            return
+        base, locations = node.buffer_address, self._locations
+        local, remote, lengths = batch_ranges([landing.slot_addr(t) for t in taken],
+                                              [base + locations[i].offset for i in idx], landing.slot_bytes)
         batch = _Batch(node.session_address, idx, taken, nbytes=sum(lengths))
         self._batches.append(batch)
         peers = self._ctx.peers
@@ -339,28 +351,31 @@ class ReadHandle:
                 self._set_result_if_settled()
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
-        """Validate a finished batch's blocks (or fail them all) and count them."""
+        """Validate a finished batch's blocks in their landing slots, copy the valid ones to
+        their destinations (or fail them all), count them, and free or quarantine the slots."""
         batch.settled = True
-        good, bad, stats, scratch = self._ok, self._failed, self._ctx.stats, self._ctx.scratch
+        good, bad, stats, landing = self._ok, self._failed, self._ctx.stats, self._ctx.landing
         if not ok:
             bad.update(batch.idx)
             stats.failed_reads += len(batch.idx)
-        else:
-            dests, locations, n = self._dests, self._locations, self._nbytes
-            headers = ([scratch.slot_addr(s) for s in batch.scratch] if batch.scratch
-                       else [dests[i] - HEADER_BYTES for i in batch.idx])
-            for i, header in zip(batch.idx, headers):
-                loc = locations[i]
-                if valid_block(header, dests[i], n, loc.block_hash, loc.generation):
-                    good.add(i)
-                    stats.remote_hits += 1
-                    stats.bytes_read += n
-                else:
-                    bad.add(i)
-                    stats.failed_reads += 1
-        if batch.scratch and (ok or not batch.posted):
-            scratch.give(batch.scratch)
-        # A failed or timed-out posted batch may still land later: its scratch is not reused.
+            if batch.posted:  # ranges of it may still be in flight or queued: they land in quarantine
+                landing.quarantine(batch.landing)
+            else:
+                landing.give(batch.landing)
+            return
+        dests, locations, n = self._dests, self._locations, self._nbytes
+        for i, slot in zip(batch.idx, batch.landing):
+            loc, header = locations[i], landing.slot_addr(slot)
+            if valid_block(header, header + HEADER_BYTES, n, loc.block_hash, loc.generation):
+                for addr, offset, length in segments_of(dests[i], n):
+                    memcpy(addr, header + HEADER_BYTES + offset, length)
+                good.add(i)
+                stats.remote_hits += 1
+                stats.bytes_read += n
+            else:
+                bad.add(i)
+                stats.failed_reads += 1
+        landing.give(batch.landing)  # the engine reported every range done: nothing more lands
 
     def _poll(self, hand_off: bool = True) -> None:
         """Settle the batches that finished (or all that did not, past the deadline); hand the
@@ -377,10 +392,18 @@ class ReadHandle:
                 continue
             if expired is None:
                 expired = time.monotonic() > self._deadline
-            if expired:
-                log.warning("read of %d blocks from %s timed out", len(b.idx), b.session)
+            if expired and not b.posted:  # nothing was handed to the transfer engine: nothing lands
+                log.warning("read of %d blocks from %s timed out before it was posted", len(b.idx), b.session)
                 self._settle(b, False)
                 continue
+            # A posted batch settles only once the transfer engine has answered for it, deadline
+            # or not: until then its bytes may still land in the destinations, and a caller told
+            # "failed" recomputes (or hands on) those blocks, which a late landing would then
+            # overwrite. The engine's own bound (its transfer timeout) ends the wait.
+            if expired and not b.late:
+                b.late = True
+                log.warning("read of %d blocks from %s is past its deadline; waiting for the transfer engine's "
+                            "answer before the blocks are released", len(b.idx), b.session)
             unsettled += 1
             if b.posted and not b.completing:
                 unclaimed.append(b)
@@ -416,7 +439,8 @@ class ReadHandle:
                 if self.result is not None:
                     break
                 now = time.monotonic()
-                limit = self._deadline - now
+                # Past the deadline only posted batches are left: the completer's answer wakes us.
+                limit = self._deadline - now if now <= self._deadline else 3600.0
                 if end is not None:
                     if now > end:
                         raise TimeoutError("read not finished")

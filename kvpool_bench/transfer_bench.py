@@ -1,11 +1,13 @@
 """`kvpool bench transfer`: cross-process block reads, our get path against the physical limits.
 
 One run, same bytes, same machine, a source process and this reader process:
-- kvpool get: `NodePool.get` (TE batch per source, header + payload, validation);
-- validated floor: the get's own batches of the same ranges, posted at once and completed in
-  order, each block's header and checksum checked, and nothing else (no handle, no
-  bookkeeping): the least any read that validates its blocks takes here, so get/floor is
-  what the pool's code adds and floor/raw what validation costs on this machine;
+- kvpool get: `NodePool.get` (TE batch per source into the read buffer's landing slots,
+  validation, the copy into the destinations);
+- validated floor: the get's batches read straight into the destinations (no landing slot,
+  no copy), posted at once and completed in order, each block's header and checksum checked,
+  and nothing else (no handle, no bookkeeping): the least any read that validates its blocks
+  takes here, so get/floor is what the pool's code adds (its copy out of the landing slots
+  included) and floor/raw what validation costs on this machine;
 - raw TE: the transfer engine's batched read of the same payload ranges, no pool logic;
 - raw TE, our ranges: the same engine call, as one batch, for the ranges a get posts (header
   + payload per block, blocks back to back on both sides merged within each of the get's
@@ -36,7 +38,7 @@ import numpy as np
 
 from kvpool import NodePool, PoolConfig, parse_size, slot_bytes_for
 from kvpool.layout import HEADER_BYTES, valid_block
-from kvpool.reader import batch_ranges, batch_slices
+from kvpool.reader import batch_slices, coalesce
 from kvpool_bench.report import write_report
 from kvpool_bench.transfer_source import block_hash
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess, free_port
@@ -62,8 +64,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--scatter", action="store_true",
                    help="destinations of a chain in a shuffled order of cache slots (a fragmented engine cache: "
                         "no two blocks back to back, so no merged ranges)")
-    p.add_argument("--split-header", action="store_true",
-                   help="read slot headers as separate ranges (destinations without header room)")
     p.add_argument("--phases", action="store_true",
                    help="for one-block chains, also time the phases of a get (before the submit, the submit, "
                         "the transfer, validation and after) beside a raw submit + complete of the same range")
@@ -174,19 +174,18 @@ def run(args: argparse.Namespace, tmp: Path) -> list[dict]:
                     dests = [dest.ctypes.data + i * slot_bytes_for(size) + HEADER_BYTES for i in order]
                     locs = q.locations[FIRST:FIRST + chain]
                     slots = [node.buffer_address + loc.offset for loc in locs]
-                    # The get's batches and the ranges each posts (`dest` is one registered region,
-                    # so back-to-back blocks merge; with --split-header each header still lands just
-                    # before its destination, but as a range of its own).
+                    # The floor: the get's batches, each block read straight into its destination
+                    # (header room before it; back-to-back blocks merged), with no landing slot and
+                    # no copy: what a get would cost if a failed transfer could not reach the cache.
                     parts = batch_slices(chain)
-                    headers = [d - HEADER_BYTES for d in dests] if args.split_header else None
-                    batches = [batch_ranges(dests[p], slots[p], size, None if headers is None else headers[p],
-                                            merge=True) for p in parts]
+                    batches = [coalesce([d - HEADER_BYTES for d in dests[p]], slots[p],
+                                        [HEADER_BYTES + size] * len(slots[p])) for p in parts]
                     runs = tuple([x for b in batches for x in b[i]] for i in range(3))
                     checks = [[(d - HEADER_BYTES, d, size, loc.block_hash, loc.generation)
                                for d, loc in zip(dests[p], locs[p])] for p in parts]
 
                     def ours() -> None:
-                        res = reader.get(locs, q.nodes, dests, header_room=not args.split_header).wait(60)
+                        res = reader.get(locs, q.nodes, dests).wait(60)
                         if res.failed:
                             raise RuntimeError(f"{len(res.failed)} blocks failed")
 

@@ -12,7 +12,6 @@ import pytest
 
 from connector.saver import Saver
 from kvpool import NodePool
-from kvpool.layout import HEADER_BYTES
 from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
 from tests.conftest import wait_for
@@ -60,14 +59,10 @@ def read_back(reader: NodePool, h: bytes) -> bytes | None:
         res = client.query_prefix(NS, [h], reader.config.node_id)
     if not res.locations:
         return None
-    dest = np.zeros(BB + HEADER_BYTES, dtype=np.uint8)
-    reader.register_memory(dest.ctypes.data, dest.nbytes)
-    try:
-        result = reader.get(res.locations, res.nodes, [dest.ctypes.data + HEADER_BYTES], header_room=True).wait()
-    finally:
-        reader.unregister_memory(dest.ctypes.data)
+    dest = np.zeros(BB, dtype=np.uint8)
+    result = reader.get(res.locations, res.nodes, [dest.ctypes.data]).wait()
     assert not result.failed
-    return dest[HEADER_BYTES:].tobytes()
+    return dest.tobytes()
 
 
 @pytest.fixture

@@ -181,15 +181,13 @@ def test_bad_input(two_pools, metaserver: MetaserverProcess) -> None:
     hashes = fill(a, 2)
     with pytest.raises(PoolError, match="does not match"):
         put_bytes(a, block_hash("x", 0), np.zeros(BB + 1, dtype=np.uint8))
-    unregistered = np.zeros(2 * BB, dtype=np.uint8)
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes)
-    with pytest.raises(PoolError, match="outside registered memory"):
-        b.get(r.locations, r.nodes, [unregistered.ctypes.data, unregistered.ctypes.data + BB])
     dest = np.zeros(2 * BB, dtype=np.uint8)
-    b.register_memory(dest.ctypes.data, dest.nbytes)
-    with pytest.raises(PoolError, match="outside registered memory"):
-        b.get(r.locations[:1], r.nodes, [dest.ctypes.data + BB + 1])  # runs past the end
+    with pytest.raises(PoolError, match="2 locations but 1 destinations"):
+        b.get(r.locations, r.nodes, [dest.ctypes.data])
+    with pytest.raises(PoolError, match="3 segments do not split"):
+        b.get(r.locations[:1], r.nodes, [(dest.ctypes.data, dest.ctypes.data + 8, dest.ctypes.data + 16)])
     ghost = BlockLocation(r.locations[0].block_hash, NodeId("ghost"), 0, BB + HEADER_BYTES, 1)
     with pytest.raises(PoolError, match="unknown node 'ghost'"):
         b.get([ghost], r.nodes, [dest.ctypes.data])
@@ -323,36 +321,33 @@ def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver
         pool.close()
 
 
-def test_reads_into_slot_strided_memory_back_to_back_blocks_as_one_range(
+def test_back_to_back_source_slots_land_as_one_range_per_batch_and_each_block_is_validated_and_copied(
         two_pools, metaserver: MetaserverProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Header + payload per block as one range; blocks back to back on both sides (A filled
-    its slots in a row, the destination is in slot strides) as one range per batch. The real
-    transfer engine moves the merged ranges; every block is still validated on its own."""
+    """Blocks back to back in A's slots land back to back in B's read buffer: one range per
+    batch, header and payload together. The real transfer engine moves the merged ranges;
+    every block is still validated on its own, and only valid ones reach the destination."""
     a, b = two_pools
     hashes = fill(a, 6)
     stride = slot_bytes_for(BB)
-    dest = np.zeros(6 * stride, dtype=np.uint8)
-    b.register_memory(dest.ctypes.data, dest.nbytes)
-    addrs = [dest.ctypes.data + i * stride + HEADER_BYTES for i in range(6)]
+    dest = np.zeros(6 * BB, dtype=np.uint8)
+    addrs = [dest.ctypes.data + i * BB for i in range(6)]
     posted: list[list[int]] = []
     submit = b.te.submit_read
     monkeypatch.setattr(b.te, "submit_read", lambda s, lo, re, n: (posted.append(list(n)), submit(s, lo, re, n))[1])
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes)
     assert [loc.offset for loc in r.locations] == [i * stride for i in range(6)]  # A's slots 0..5
-    res = b.get(r.locations, r.nodes, addrs, header_room=True).wait(60)
+    res = b.get(r.locations, r.nodes, addrs).wait(60)
     assert res.failed == ()
-    assert posted == [[4 * (HEADER_BYTES + BB)], [2 * (HEADER_BYTES + BB)]]  # two batches, one range each
+    assert posted == [[4 * stride], [2 * stride]]  # two batches, one range each
     for i, h in enumerate(hashes):
-        assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
+        assert np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB))
     overwrite(a, hashes[2], bytes(BB))
     dest[:] = 0
-    assert b.get(r.locations, r.nodes, addrs, header_room=True).wait(60).failed == (2,)
+    assert b.get(r.locations, r.nodes, addrs).wait(60).failed == (2,)
     for i, h in enumerate(hashes):  # the others still arrive and validate inside the merged range
-        if i != 2:
-            assert np.array_equal(dest[i * stride + HEADER_BYTES:(i + 1) * stride], block_content(h, BB))
-    with pytest.raises(PoolError, match="outside registered memory"):
-        b.get(r.locations[:1], r.nodes, [dest.ctypes.data], header_room=True)  # no room before it
+        want = block_content(h, BB) if i != 2 else np.zeros(BB, dtype=np.uint8)  # the rewritten one: not copied
+        assert np.array_equal(dest[i * BB:(i + 1) * BB], want)
 
 
 def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thread(
@@ -409,8 +404,6 @@ def test_segmented_payloads_read_and_save_per_layer_slices(two_pools, metaserver
     with MetaClient(metaserver.address) as c:
         r = c.query_prefix(NS, hashes, "B")
         res = b.get(r.locations, r.nodes, [dests(3 + i) for i in range(3)]).wait(timeout_s=60)
-        with pytest.raises(PoolError, match="header_room needs contiguous destinations"):
-            b.get(r.locations, r.nodes, [dests(0)] * 3, header_room=True)
     assert res.ok == (0, 1) and res.failed == (2,)
     for i in (0, 1):
         for k in range(layers):
