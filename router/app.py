@@ -24,6 +24,7 @@ from aiohttp import web
 
 from router.backends import Backend, Backends
 from router.chain import Chain, PromptHasher
+from router.metrics import PREFIX, ErrorEvents, Family, Kind, counter, label_value, render
 from router.policy import Choice, Policy
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ class Router:
         self.prefix_wait_blocks = prefix_wait_blocks
         self._prefilling: dict[str, list[tuple[tuple[bytes, ...], asyncio.Event]]] = {}  # node url -> chains
         self.retries = 0        # requests sent again to another node (counter)
-        self.errors = 0         # requests that no node could take (counter)
+        # requests that got an error: no node could take them (503), or their stream ended in
+        # an error event, the node's own or the router's for a node that failed mid-answer (counter)
+        self.errors = 0
         self.prefix_waits = 0   # requests held for a prefix being computed on their node (counter)
         self.requests = 0
 
@@ -178,7 +181,9 @@ class Router:
             resp = web.StreamResponse(status=upstream.status,
                                       headers={**{k: v for k, v in upstream.headers.items() if k.lower() not in _SKIP},
                                                "x-kvpool-node": node.url})
-            started = False
+            started = failed = False
+            # Only a stream's error events are errors here: any other answer has its status.
+            events = ErrorEvents() if upstream.content_type == "text/event-stream" else None
             try:
                 async for data in upstream.content.iter_any():
                     if not started:
@@ -190,6 +195,8 @@ class Router:
                         node.predicted_hit_tokens += choice.predicted_hit_tokens
                         progress.first_byte()
                     await resp.write(data)
+                    if events is not None:
+                        events.feed(data)
             except ConnectionResetError:  # the client went away: stop reading the node's answer
                 log.info("client of %s left mid-answer", request.path)
                 return resp
@@ -201,14 +208,19 @@ class Router:
                 backends.mark_down(node, f"failed mid-answer: {err}")
                 event = {"error": {"message": f"the node serving this request failed: {err}", "type": "server_error"}}
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+                failed = True
+            if events is not None:
+                events.close()
+            if failed or (events is not None and events.seen):
+                self.errors += 1
             if not started:  # an empty body
                 await resp.prepare(request)
                 node.requests += 1
             await resp.write_eof()
             return resp
 
-    def extra_metrics(self, prefix: str) -> list[str]:
-        """More Prometheus lines (names under `prefix`) for a router that has more to say."""
+    def extra_metrics(self) -> list[Family]:
+        """More families (named under router.metrics.PREFIX) for a router that has more to say."""
         return []
 
     def groups(self) -> list[tuple[str, Backends, Policy]]:
@@ -239,27 +251,40 @@ class Router:
                                   "nodes": len(self.backends.nodes)}, status=200 if up else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        p = "kvpool_router:"
-        lines = [f"# TYPE {p}requests_total counter", f"{p}requests_total {self.requests}",
-                 f"# TYPE {p}prefix_waits_total counter", f"{p}prefix_waits_total {self.prefix_waits}",
-                 f"# TYPE {p}retries_total counter", f"{p}retries_total {self.retries}",
-                 f"# TYPE {p}errors_total counter", f"{p}errors_total {self.errors}"]
-        per_node = (("node_requests_total", "counter", lambda b: b.requests),
-                    ("node_predicted_hit_tokens_total", "counter", lambda b: b.predicted_hit_tokens),
-                    ("node_failures_total", "counter", lambda b: b.failures),
-                    ("node_up", "gauge", lambda b: int(b.up)),
-                    ("node_in_flight", "gauge", lambda b: b.in_flight),
-                    ("node_queued", "gauge", lambda b: b.queued))
-        for name, kind, get in per_node:
-            lines.append(f"# TYPE {p}{name} {kind}")
-            lines += [f'{p}{name}{{node="{b.url}",policy="{policy.name}"{role}}} {get(b)}'
-                      for role, backends, policy in self.groups() for b in backends.nodes]
-        lines += self.extra_metrics(p)
+        """Prometheus text: the router's counters, each node's (labelled node, policy and, for a
+        P/D router, role), a subclass's `extra_metrics`; every family with HELP and TYPE."""
+        p = PREFIX
+        families = [
+            counter("requests_total", "Generation requests received (valid JSON bodies)", self.requests),
+            counter("prefix_waits_total", "Requests held for a shared prefix another request was computing",
+                    self.prefix_waits),
+            counter("retries_total", "Requests sent again to another node after one failed before its first byte",
+                    self.retries),
+            counter("errors_total", "Requests that got an error: no node could take them (HTTP 503), or their "
+                    "stream ended in an error event (the node's, or the router's for a node that failed mid-answer)",
+                    self.errors)]
+        per_node = (
+            ("node_requests_total", Kind.COUNTER, "Requests the node answered", lambda b: b.requests),
+            ("node_predicted_hit_tokens_total", Kind.COUNTER,
+             "Prompt tokens the policy predicted the node would find cached, over the requests it answered",
+             lambda b: b.predicted_hit_tokens),
+            ("node_failures_total", Kind.COUNTER,
+             "Requests to the node that failed: refused, dropped or HTTP 5xx (503 overloaded included)",
+             lambda b: b.failures),
+            ("node_up", Kind.GAUGE, "1 while the node is taken as up", lambda b: int(b.up)),
+            ("node_in_flight", Kind.GAUGE, "Requests the router has in flight on the node", lambda b: b.in_flight),
+            ("node_queued", Kind.GAUGE, "Requests running and waiting on the node, from its /metrics at the last probe",
+             lambda b: b.queued))
+        for name, kind, help_, get in per_node:
+            families.append(Family(p + name, kind, help_, tuple(
+                (f'{{node="{label_value(b.url)}",policy="{label_value(policy.name)}"{role}}}', get(b))
+                for role, backends, policy in self.groups() for b in backends.nodes)))
+        families += self.extra_metrics()
         answers = [getattr(policy, "view_answers", None) for _, _, policy in self.groups()]
         if any(a is not None for a in answers):
-            lines += [f"# TYPE {p}index_answers_total counter",
-                      f"{p}index_answers_total {sum(a for a in answers if a is not None)}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+            families.append(counter("index_answers_total", "Prefix-policy choices made with the index view's answer",
+                                    sum(a for a in answers if a is not None)))
+        return web.Response(text=render(families), content_type="text/plain")
 
 
 def forward_headers(request: web.Request) -> dict[str, str]:

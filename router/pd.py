@@ -27,6 +27,7 @@ from aiohttp import web
 from router.app import Router, error_response, forward_headers
 from router.backends import Backend, Backends
 from router.chain import Chain, PromptHasher
+from router.metrics import Family, counter
 from router.policy import LeastLoaded, Policy
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,10 @@ class PDRouter(Router):
     def groups(self) -> list[tuple[str, Backends, Policy]]:
         return [(',role="prefill"', self.prefill, self.prefill_policy), (',role="decode"', self.backends, self.policy)]
 
-    def extra_metrics(self, prefix: str) -> list[str]:
-        return [f"# TYPE {prefix}pd_handoffs_total counter", f"{prefix}pd_handoffs_total {self.handoffs}",
-                f"# TYPE {prefix}pd_fallbacks_total counter", f"{prefix}pd_fallbacks_total {self.fallbacks}"]
+    def extra_metrics(self) -> list[Family]:
+        return [counter("pd_handoffs_total", "Requests decoded with the KV a prefill node handed over", self.handoffs),
+                counter("pd_fallbacks_total", "Requests whose decode node computed the whole prompt: no prefill "
+                        "node handed its KV over", self.fallbacks)]
 
     async def generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.read()

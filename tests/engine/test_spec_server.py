@@ -35,7 +35,7 @@ def test_speculating_server_answers_like_plain_decoding_and_reports_acceptance(l
         node.stop()
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("kvpool:engine_spec_")}
-    assert values["kvpool:engine_spec_accepted_tokens"] > 0
+    assert values["kvpool:engine_spec_accepted_tokens_total"] > 0
     assert 0 < values["kvpool:engine_spec_acceptance_rate"] <= 1
     assert values["kvpool:engine_spec_mean_accepted_length"] > 1
 
