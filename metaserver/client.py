@@ -216,7 +216,13 @@ class MetaClient:
         return self._rpc("Invalidate", req).num_removed
 
     def drain(self, node_id: str) -> int:
+        """Stop offering the node as a source and refuse its publishes; returns the blocks
+        removed from the index. NotFound for an unknown node id."""
         return self._rpc("Drain", pb.DrainRequest(node_id=node_id)).num_removed
+
+    def undrain(self, node_id: str) -> bool:
+        """Undo `drain`; returns whether the node was draining. NotFound for an unknown node id."""
+        return self._rpc("Undrain", pb.UndrainRequest(node_id=node_id)).was_draining
 
     # ---- introspection --------------------------------------------------------------
 

@@ -200,10 +200,21 @@ class MetaService:
                 raise InvalidArgument(f"{what}: block hash #{i} is {len(h)} bytes, expected {n}")
 
     def _node(self, node_id: str) -> NodeRecord:
+        """The registered node a node's own call acts for; FailedPrecondition if none (the
+        node itself must register first)."""
         self._check_id("node_id", node_id)
         node = self.index.nodes.get(NodeId(node_id))
         if node is None:
             raise FailedPrecondition(f"node {node_id!r} is not registered (or its lease expired); register first")
+        return node
+
+    def _known_node(self, node_id: str) -> NodeRecord:
+        """The registered node an admin call names; NotFound if no node has this id."""
+        self._check_id("node_id", node_id)
+        node = self.index.nodes.get(NodeId(node_id))
+        if node is None:
+            raise NotFound(f"unknown node id {node_id!r}: it is not registered (or its lease expired); "
+                           "`kvpool admin nodes` lists the registered nodes")
         return node
 
     @staticmethod
@@ -426,10 +437,8 @@ class MetaService:
 
     @writer
     def invalidate_node(self, node_id: str) -> int:
-        self._check_id("node_id", node_id)
-        if NodeId(node_id) not in self.index.nodes:
-            raise NotFound(f"node {node_id!r} is not registered")
-        return self._delete_copies([(NodeId(node_id), h) for h in self.index.remove_node_blocks(NodeId(node_id))])
+        node = self._known_node(node_id)
+        return self._delete_copies([(node.node_id, h) for h in self.index.remove_node_blocks(node.node_id)])
 
     @writer
     def invalidate_namespace(self, namespace: str) -> int:
@@ -441,14 +450,29 @@ class MetaService:
 
     @writer
     def drain(self, node_id: str) -> int:
-        """Stop using a node as a source and refuse its publishes (before it shuts down)."""
-        node = self._node(node_id)
+        """Stop using a node as a source and refuse its publishes (before it shuts down);
+        returns how many of its blocks left the index. NotFound for an unknown node."""
+        node = self._known_node(node_id)
         hashes = self.index.remove_node_blocks(node.node_id)
         drained = dataclasses.replace(node, draining=True)
         self.index.upsert_node(drained)
         self.store.put_node(drained)
         log.info("node %s draining (%d blocks dropped)", node_id, len(hashes))
         return self._delete_copies([(node.node_id, h) for h in hashes])
+
+    @writer
+    def undrain(self, node_id: str) -> bool:
+        """Undo `drain`: the node is a source again and its publishes are accepted. Returns
+        False (and changes nothing) if it was not draining; NotFound for an unknown node.
+        The blocks drain dropped come back as the node publishes them again."""
+        node = self._known_node(node_id)
+        if not node.draining:
+            return False
+        active = dataclasses.replace(node, draining=False)
+        self.index.upsert_node(active)
+        self.store.put_node(active)
+        log.info("node %s undrained: a source again, its publishes accepted", node_id)
+        return True
 
     # ---- introspection --------------------------------------------------------------
 

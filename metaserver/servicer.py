@@ -244,6 +244,11 @@ class MetaServicer:
         n = _call(context, lambda: self.service.drain(request.node_id))
         return pb.DrainResponse(num_removed=n)
 
+    def Undrain(self, request: pb.UndrainRequest, context: grpc.ServicerContext,
+                caller: Caller) -> pb.UndrainResponse:
+        was_draining = _call(context, lambda: self.service.undrain(request.node_id))
+        return pb.UndrainResponse(was_draining=was_draining)
+
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext,
               caller: Caller) -> pb.StatsResponse:
         s = self.service.index_stats()

@@ -1,4 +1,4 @@
-"""`kvpool cluster up / status / down` as a user runs them, across separate invocations."""
+"""`kvpool cluster up / status / restart / down` as a user runs them, across separate invocations."""
 from __future__ import annotations
 
 import json
@@ -52,6 +52,14 @@ def test_cluster_up_status_down(tmp_path: Path) -> None:
         assert list(report["configs"]) == ["pool-on"]
         on = report["configs"]["pool-on"]
         assert on["errors"] == 0 and on["requests"] == 6 and on["remote_hit_tokens"] > 0 and on["bytes_transferred"] > 0
+        # one node restarted: same address, a new PID, ready again (and stopped by `down` below)
+        r = kvpool("cluster", "restart", "node-1", "--run-dir", str(run))
+        assert r.returncode == 0 and "restarted node-1" in r.stdout, r.stderr[-3000:]
+        old, info = info, json.loads(state.read_text())
+        assert info["processes"][3]["pid"] != old["processes"][3]["pid"]
+        assert info["processes"][3]["address"] == old["processes"][3]["address"]
+        assert http_json(info["processes"][3]["address"] + "/health", timeout_s=5)[0] == 200
+        assert kvpool("cluster", "status", "--run-dir", str(run)).stdout.count("running") == 5
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
     assert down.returncode == 0 and down.stdout.count("stopped") == 5

@@ -22,7 +22,9 @@ def admin(address: str, *args: str, stdin: str | None = None) -> subprocess.Comp
 @pytest.fixture
 def address(metaserver: MetaserverProcess) -> str:
     with MetaClient(metaserver.address) as c:
-        c.register_node("node-a", "127.0.0.1:7001", 0, 1 << 20, NS, 30)
+        # Nothing keeps this lease alive: the longest the server grants, so that no slow machine
+        # outlives it across a test's ~3 s CLI starts.
+        c.register_node("node-a", "127.0.0.1:7001", 0, 1 << 20, NS, 3600)
     return metaserver.address
 
 
@@ -59,6 +61,28 @@ def test_publish_query_nodes_stats_invalidate(address: str) -> None:
     assert "draining" in admin(address, "nodes").stdout
 
 
+def test_drain_undrain_round_trip(address: str) -> None:
+    def state() -> dict:
+        return json.loads(admin(address, "--json", "nodes").stdout)[0]
+
+    publish = ["publish", "--node", "node-a", "--hash", H[0], "--hash", H[1], "--offset", "0", "--size", "64"]
+    query = ["--json", "query", "--namespace", NS, "--hash", H[0], "--hash", H[1]]
+    assert admin(address, *publish).returncode == 0
+    r = admin(address, "drain", "node-a")
+    assert r.returncode == 0 and r.stdout.strip() == "node node-a draining; 2 blocks removed from the index"
+    assert state()["draining"] is True and json.loads(admin(address, *query).stdout)["num_matched"] == 0
+    r = admin(address, *publish)
+    assert r.returncode == 1 and "FAILED_PRECONDITION: node 'node-a' is draining" in r.stderr
+
+    r = admin(address, "undrain", "node-a")
+    assert r.returncode == 0 and r.stdout.startswith("node node-a active again"), r.stderr
+    assert state()["draining"] is False and "active" in admin(address, "nodes").stdout
+    assert admin(address, *publish).returncode == 0  # its publishes are accepted again
+    assert [loc["node_id"] for loc in json.loads(admin(address, *query).stdout)["locations"]] == ["node-a"] * 2
+    r = admin(address, "--json", "undrain", "node-a")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"was_draining": False}
+
+
 def test_invalidate_all_asks_unless_yes(address: str) -> None:
     admin(address, "publish", "--node", "node-a", "--hash", H[0], "--offset", "0", "--size", "64")
     r = admin(address, "invalidate", "--all", stdin="")
@@ -77,12 +101,17 @@ def test_invalidate_all_asks_unless_yes(address: str) -> None:
     (["invalidate"], 2, "give one of"),
     (["publish", "--node", "ghost", "--hash", H[0], "--offset", "0", "--size", "64"], 1, "FAILED_PRECONDITION"),
     (["frobnicate"], 2, "invalid choice"),
+    (["drain", "ghost"], 1, "NOT_FOUND: unknown node id 'ghost': it is not registered"),
+    (["undrain", "ghost"], 1, "NOT_FOUND: unknown node id 'ghost': it is not registered"),
+    (["undrain"], 2, "the following arguments are required: node"),
 ])
 def test_errors_are_one_line_with_exit_codes(address: str, args: list[str], code: int, message: str) -> None:
     r = admin(address, *args)
     assert r.returncode == code, r.stderr
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+    if args[0] in ("drain", "undrain"):  # an admin names a node: unknown, not "register first"
+        assert "register first" not in r.stderr
     if code == 1:
         assert len(r.stderr.strip().splitlines()) == 1
 

@@ -32,7 +32,7 @@ def test_every_rpc_has_an_access_rule() -> None:
 
     methods = {m.name for m in meta_pb2.DESCRIPTOR.services_by_name["MetaService"].methods}
     assert methods == set(METHOD_ACCESS)
-    assert {m for m, a in METHOD_ACCESS.items() if a is Access.ADMIN} == {"Invalidate", "Drain"}
+    assert {m for m, a in METHOD_ACCESS.items() if a is Access.ADMIN} == {"Invalidate", "Drain", "Undrain"}
     assert {m for m, a in METHOD_ACCESS.items() if a is Access.QUERY} == {
         "QueryPrefix", "QueryPrefixBatch", "ReportFailedRead", "WatchIndex", "Stats", "ListNodes"}
 
@@ -65,7 +65,7 @@ def test_roles() -> None:
     for method in METHOD_ACCESS:
         admin = auth.authorize(bearer(ADMIN), method)
         assert admin.role is Role.ADMIN and admin.node_session is None  # may act for any node
-    for method in ("Invalidate", "Drain"):
+    for method in ("Invalidate", "Drain", "Undrain"):
         with pytest.raises(PermissionDenied, match=f"{method} needs the admin token"):
             auth.authorize(bearer(NODE), method)
     node = auth.authorize((*bearer(NODE), (SESSION_KEY, "s3cret")), "Publish")

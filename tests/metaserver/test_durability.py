@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpool_harness.processes import EtcdProcess
 from metaserver.client import MetaClient, NodeSession
-from metaserver.errors import MetaError
+from metaserver.errors import FailedPrecondition, MetaError
 from metaserver.types import BlockHash, BlockRecord
 from tests.conftest import wait_for
 
@@ -77,6 +77,27 @@ def test_two_replicas_converge_through_watch(metaserver_factory) -> None:
         wait_for(lambda: matched(cb, range(64)) == 10, timeout_s=5)
         cb.drain("n1")
         wait_for(lambda: matched(ca, range(64)) == 0 and ca.list_nodes()[0][0].draining, timeout_s=5)
+
+
+def test_drain_and_undrain_are_kept_in_etcd(metaserver_factory) -> None:
+    """Drain on one replica, undrain on another: each change reaches etcd (a replica started
+    later loads the drain; the first replica sees the undrain through its watch), and the
+    undrained node publishes and is a source again everywhere."""
+    a = metaserver_factory()
+    with MetaClient(a.address) as ca:
+        ca.register_node("n1", "127.0.0.1:9001", 0, CAP, NS, 3600)  # no keepalive here: a lease no test outlives
+        ca.publish("n1", recs(range(8)))
+        assert ca.drain("n1") == 8
+        b = metaserver_factory()
+        with MetaClient(b.address) as cb:
+            wait_for(lambda: cb.list_nodes() and cb.list_nodes()[0][0].draining)
+            with pytest.raises(FailedPrecondition, match="draining"):
+                cb.publish("n1", recs(range(8)))
+            assert cb.undrain("n1") is True
+            wait_for(lambda: not ca.list_nodes()[0][0].draining)
+            assert ca.publish("n1", recs(range(8))) == 8
+            wait_for(lambda: matched(cb, range(8)) == 8)
+            assert {loc.node_id for loc in cb.query_prefix(NS, [h(i) for i in range(8)]).locations} == {"n1"}
 
 
 def test_lease_expiry_drops_node_on_every_replica(metaserver_factory) -> None:

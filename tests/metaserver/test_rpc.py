@@ -89,13 +89,22 @@ def test_own_copy_first_then_spread_by_load(client: MetaClient) -> None:
     assert abs(sources.count("node-a") - sources.count("node-b")) <= 1
 
 
-def test_drain_stops_serving_and_publishing(client: MetaClient) -> None:
+def test_drain_stops_serving_and_publishing_until_undrain(client: MetaClient) -> None:
     client.publish("node-a", recs([0, 1]))
     assert client.drain("node-a") == 2
     assert client.query_prefix(NS, [h(0)]).num_matched == 0
     with pytest.raises(FailedPrecondition, match="draining"):
         client.publish("node-a", recs([0]))
     assert [n.draining for n, _ in client.list_nodes() if n.node_id == "node-a"] == [True]
+
+    assert client.undrain("node-a") is True
+    assert [n.draining for n, _ in client.list_nodes() if n.node_id == "node-a"] == [False]
+    assert client.query_prefix(NS, [h(0)]).num_matched == 0  # drain dropped its blocks: re-published below
+    assert client.publish("node-a", recs([0, 1])) == 2
+    r = client.query_prefix(NS, [h(0), h(1)])
+    assert r.num_matched == 2 and {loc.node_id for loc in r.locations} == {"node-a"}  # a source again
+    assert client.undrain("node-a") is False  # not draining: nothing changes
+    assert client.query_prefix(NS, [h(0), h(1)]).num_matched == 2
 
 
 def test_unregister_removes_node_and_blocks(client: MetaClient) -> None:
@@ -168,7 +177,9 @@ BAD_CASES = [
     ("invalidate without target", lambda c: c.invalidate(), InvalidArgument, "one target"),
     ("invalidate unknown node", lambda c: c.invalidate(node_id="ghost"), NotFound, "not registered"),
     ("keepalive of unknown node", lambda c: c.keepalive("ghost", 1), NotFound, "register again"),
-    ("drain unknown node", lambda c: c.drain("ghost"), FailedPrecondition, "not registered"),
+    ("drain unknown node", lambda c: c.drain("ghost"), NotFound, "unknown node id 'ghost': it is not registered"),
+    ("undrain unknown node", lambda c: c.undrain("ghost"), NotFound, "unknown node id 'ghost'"),
+    ("undrain bad node id", lambda c: c.undrain(""), InvalidArgument, "node_id is required"),
     ("one bad record spoils the batch", lambda c: c.publish("node-a", recs([0, 1]) + [BlockRecord(h(2), 0, 0, 0)]),
      InvalidArgument, "block #2"),
 ]

@@ -294,6 +294,7 @@ MESSAGES: dict[str, st.SearchStrategy[Message]] = {
                             after_seq=U64, watcher_node_id=NODE_ID),
     "Invalidate": invalidate_requests(),
     "Drain": st.builds(pb.DrainRequest, node_id=NODE_ID),
+    "Undrain": st.builds(pb.UndrainRequest, node_id=NODE_ID),
     "Stats": st.just(pb.StatsRequest()),
     "ListNodes": st.just(pb.ListNodesRequest()),
 }

@@ -94,6 +94,11 @@ class MetaServiceStub:
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_meta__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/kvpool.v1.MetaService/Undrain',
+                request_serializer=kvpool_dot_v1_dot_meta__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_meta__pb2.UndrainResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvpool.v1.MetaService/Stats',
                 request_serializer=kvpool_dot_v1_dot_meta__pb2.StatsRequest.SerializeToString,
@@ -191,6 +196,13 @@ class MetaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """admin token
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """either token
         """
@@ -262,6 +274,11 @@ def add_MetaServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvpool_dot_v1_dot_meta__pb2.DrainRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_meta__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=kvpool_dot_v1_dot_meta__pb2.UndrainRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_meta__pb2.UndrainResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -576,6 +593,33 @@ class MetaService:
             '/kvpool.v1.MetaService/Drain',
             kvpool_dot_v1_dot_meta__pb2.DrainRequest.SerializeToString,
             kvpool_dot_v1_dot_meta__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.MetaService/Undrain',
+            kvpool_dot_v1_dot_meta__pb2.UndrainRequest.SerializeToString,
+            kvpool_dot_v1_dot_meta__pb2.UndrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
