@@ -29,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
                         '"draft_num_layers": 8} (a self-draft: the first layers of the model)')
-    p.add_argument("--served-model-name", default="")
+    p.add_argument("--served-model-name", default="",
+                   help="the model name in the API (default: --model as given); the model's own name is accepted too")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     k = p.add_argument_group("KV connector (the global pool)")
     k.add_argument("--kv-connector", default="", help="connector name, e.g. mooncake; unset = local prefix cache only")
@@ -119,7 +120,10 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, device=args.device,
-                        attention_backend=args.attention_backend, served_model_name=args.served_model_name,
+                        attention_backend=args.attention_backend,
+                        # as vLLM: the API serves the name the user started it with; the KV
+                        # fingerprint keeps the model's own name (LLMEngine), not this alias
+                        served_model_name=args.served_model_name or args.model,
                         kv_transfer_config=kv_transfer_config(args),
                         speculative_config=SpeculativeConfig.parse(args.speculative_config)
                         if args.speculative_config else None)
@@ -167,7 +171,9 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, max_request_bytes, api_key, args.max_pending_requests, host)
     log.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True)
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts
+        # its request in the engine (a non-streaming one would otherwise run to its end)
+        web.run_app(app, host=args.host, port=args.port, print=None, handle_signals=True, handler_cancellation=True)
     except OSError as err:
         print(f"kvpool serve: error: {err}", file=sys.stderr)
         return 1

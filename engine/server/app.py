@@ -1,8 +1,10 @@
 """The HTTP API: /v1/completions, /v1/chat/completions (with server-sent-event streaming),
 /v1/models, /health and /metrics, on aiohttp.
 
-A bad request gets HTTP 400 with an OpenAI-style error body and changes nothing; the
-server and the other requests carry on.
+A bad request gets HTTP 400 with an OpenAI-style error body (404 for a model this server
+does not serve) and changes nothing; the server and the other requests carry on. A request
+whose client goes away is aborted in the engine, streaming or not, provided the runner
+cancels handlers on disconnect (`handler_cancellation=True`, as `kvpool serve` runs it).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +26,13 @@ from engine.server.protocol import BadRequest, ParsedRequest, completion_body, e
 
 log = logging.getLogger(__name__)
 ENGINE = web.AppKey("engine", AsyncEngine)
+MODEL_NAMES = web.AppKey("model_names", tuple)  # the names requests may give, the served one first
+
+
+def model_names(engine: LLMEngine) -> tuple[str, ...]:
+    """The served name (--served-model-name, else the --model the server was started with)
+    and the model's own name, which a client may also use."""
+    return tuple(dict.fromkeys((engine.model_name, engine.model_config.name)))
 
 
 def _json_error(status: int, body: dict[str, Any]) -> web.Response:
@@ -40,7 +50,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     aeng = request.app[ENGINE]
     eng: LLMEngine = aeng.engine
     try:
-        parsed = parse(await _read_json(request), chat, eng.model_name, default_max_tokens=16 if not chat else 256)
+        parsed = parse(await _read_json(request), chat, request.app[MODEL_NAMES],
+                       default_max_tokens=16 if not chat else 256)
         if chat:
             assert parsed.messages is not None
             try:
@@ -51,7 +62,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             assert parsed.prompt is not None
             prompt_ids = eng.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
     except BadRequest as err:
-        return _json_error(400, err.body())
+        return _json_error(err.status, err.body())
     if aeng.dead:
         return _json_error(503, error_body(aeng.dead, "server_error"))
     if not aeng.admit():
@@ -70,8 +81,12 @@ async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, p
                chat: bool) -> web.StreamResponse:
     eng: LLMEngine = aeng.engine
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    outputs = aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt, parsed.kv_transfer_params)
-    if not parsed.stream:
+    # aclosing: however the handler ends (the client went away and aiohttp cancelled it, a
+    # write failed), the generator's exit aborts the request in the engine now, not at GC.
+    async with aclosing(aeng.generate(rid, prompt_ids, parsed.params, parsed.cache_salt,
+                                      parsed.kv_transfer_params)) as outputs:
+        if parsed.stream:
+            return await _stream(request, outputs, rid, chat, parsed.include_usage, eng, parsed.return_token_ids)
         final = None
         try:
             async for out in outputs:
@@ -91,7 +106,6 @@ async def _run(request: web.Request, aeng: AsyncEngine, parsed: ParsedRequest, p
         if final.kv_transfer_params is not None:  # as vLLM: for the P/D proxy to pass to a decode node
             body["kv_transfer_params"] = final.kv_transfer_params
         return web.json_response(body)
-    return await _stream(request, outputs, rid, chat, parsed.include_usage, eng, parsed.return_token_ids)
 
 
 async def _stream(request: web.Request, outputs, rid: str, chat: bool, include_usage: bool,  # noqa: ANN001
@@ -137,19 +151,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
+    """Every name a request may give, the served one first; `root` is the model's own name."""
     eng = request.app[ENGINE].engine
     return web.json_response({"object": "list", "data": [
-        {"id": eng.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
-         "max_model_len": eng.max_model_len}]})
+        {"id": name, "object": "model", "created": 0, "owned_by": "kvpool", "root": eng.model_config.name,
+         "max_model_len": eng.max_model_len} for name in request.app[MODEL_NAMES]]})
 
 
 async def kv_layout(request: web.Request) -> web.Response:
-    """What a router needs to hash prompts as this node does: the model, the layout
-    fingerprint (the hash chain's namespace), dtype, block size, and this node's id in the
-    pool ("" without a connector)."""
+    """What a router needs to hash prompts as this node does: the served model name (and in
+    `model_names` every name requests may give), the layout fingerprint (the hash chain's
+    namespace: the model's own name, never the served alias), dtype, block size, and this
+    node's id in the pool ("" without a connector)."""
     eng: LLMEngine = request.app[ENGINE].engine
     kvt = eng.config.kv_transfer_config
-    return web.json_response({"model": eng.model_name, "fingerprint": eng.fingerprint, "dtype": eng.config.dtype,
+    return web.json_response({"model": eng.model_name, "model_names": list(request.app[MODEL_NAMES]),
+                              "fingerprint": eng.fingerprint, "dtype": eng.config.dtype,
                               "block_size": eng.config.block_size,
                               "node_id": str(kvt.extra("node_id", "")) if kvt else ""})
 
@@ -162,9 +179,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     """The engine's counters as JSON (prefill, local/remote hit tokens, pool traffic), the
-    server's admission counters and the process's memory (`engine.server.memory`)."""
+    running and waiting requests (the /metrics gauges), the server's admission counters and
+    the process's memory (`engine.server.memory`)."""
     aeng = request.app[ENGINE]
-    return web.json_response({**aeng.engine.stats(), "http_in_flight": aeng.in_flight,
+    gauges = aeng.metrics.gauges
+    return web.json_response({**aeng.engine.stats(), "num_requests_running": gauges["num_requests_running"],
+                              "num_requests_waiting": gauges["num_requests_waiting"], "http_in_flight": aeng.in_flight,
                               "http_rejected_overloaded": aeng.rejected, **memory_stats()})
 
 
@@ -205,11 +225,16 @@ def build_app(engine: LLMEngine, max_request_bytes: int = 4 << 20, api_key: str 
               max_pending_requests: int = 0, host: EngineHost | None = None) -> web.Application:
     """`max_pending_requests` > 0: a generation request beyond that many in flight (running
     or waiting) gets HTTP 503 (type server_error, code overloaded, Retry-After) at once.
-    `host`: the thread that built `engine`, which then runs its loop (EngineHost)."""
+    `host`: the thread that built `engine`, which then runs its loop (EngineHost).
+
+    Run it with `handler_cancellation=True` (web.run_app, AppRunner): aiohttp then cancels
+    a handler whose client disconnected, which is what aborts a non-streaming request in the
+    engine; without it such a request runs to its end (a stream still stops at its next write)."""
     middlewares = [errors] + ([api_key_middleware(api_key)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
     aeng = AsyncEngine(engine, Metrics(engine.model_name), max_pending_requests, host)
     app[ENGINE] = aeng
+    app[MODEL_NAMES] = model_names(engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

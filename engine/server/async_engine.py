@@ -115,7 +115,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        cache_salt: str | None = None,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; raises EngineError if it is rejected."""
+        """Outputs of one request as they come; raises EngineError if it is rejected. Leaving
+        it before the last output (closed, or its reader cancelled) aborts the request in the
+        engine, which frees its blocks."""
         sink: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._inbox.put(_Submit(request_id, prompt, params, cache_salt, sink, asyncio.get_running_loop(),
                                 kv_transfer_params))
@@ -134,6 +136,8 @@ class AsyncEngine:
         sub.loop.call_soon_threadsafe(sub.sink.put_nowait, item)
 
     def _drain_inbox(self, block: bool) -> bool:
+        """Take in the submissions and aborts queued so far (waiting up to 50 ms for the first
+        if `block`); False once `stop()` asked the loop to end. Engine thread only."""
         try:
             item = self._inbox.get(timeout=0.05 if block else 0)
         except queue.Empty:
@@ -143,8 +147,13 @@ class AsyncEngine:
                 return False
             if isinstance(item, str):
                 if item in self._sinks:
+                    log.info("%s: aborted (the client went away)", item)
                     self.engine.abort(item)
                     self._sinks.pop(item, None)
+                    self.metrics.forget(item)  # no finished output will come to end its record
+                    # The gauges are otherwise refreshed after a step, and an abort that
+                    # leaves no work takes no step: /metrics would show it running forever.
+                    self.metrics.on_step(self.engine)
             else:
                 try:
                     self.engine.add_request(item.prompt, item.params, item.request_id, item.cache_salt,

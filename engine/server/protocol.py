@@ -1,11 +1,13 @@
 """OpenAI request parsing and validation, and the response bodies.
 
 Every problem with a request becomes `BadRequest` (an HTTP 400 with an OpenAI-style error
-body); nothing is queued until the whole request validated.
+body), or its subclass `ModelNotFound` (HTTP 404, as vLLM answers an unknown model); nothing
+is queued until the whole request validated.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,14 +16,32 @@ from engine.request import SamplingParams
 
 
 class BadRequest(Exception):
+    """A request the server refuses; `status` is the HTTP status to answer with, `body()` the
+    OpenAI-style error body."""
+
+    status = 400
+    type_ = "invalid_request_error"
+
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": str(self), "type": self.type_, "param": self.param, "code": self.code}}
+
+
+class ModelNotFound(BadRequest):
+    """The request names a model this server does not serve: HTTP 404, type NotFoundError,
+    code model_not_found (vLLM's answer)."""
+
+    status = 404
+    type_ = "NotFoundError"
+
+    def __init__(self, model: str, served: tuple[str, ...]) -> None:
+        also = f" (also accepted: {', '.join(repr(n) for n in served[1:])})" if len(served) > 1 else ""
+        super().__init__(f"the model '{model}' does not exist; this server serves '{served[0]}'{also}", "model",
+                         "model_not_found")
 
 
 def error_body(message: str, type_: str, code: str | None = None) -> dict[str, Any]:
@@ -54,13 +74,18 @@ def _num(body: dict[str, Any], key: str, kind: type, default: Any, lo: float | N
     return kind(v)
 
 
-def parse(body: Any, chat: bool, model_name: str, default_max_tokens: int) -> ParsedRequest:
+def parse(body: Any, chat: bool, model_names: str | Iterable[str], default_max_tokens: int) -> ParsedRequest:
+    """Validate one request body. `model_names`: the names the server answers to, the served
+    name first (as `/v1/models` lists them); a body without "model" means the served model.
+    Raises BadRequest (ModelNotFound for a model not in `model_names`)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    served = (model_names,) if isinstance(model_names, str) else tuple(model_names)
     model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequest(f"the model '{model}' does not exist; this server serves '{model_name}'", "model",
-                         "model_not_found")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", "model")
+    if model is not None and model not in served:
+        raise ModelNotFound(model, served)
     prompt = messages = None
     if chat:
         messages = body.get("messages")

@@ -1,10 +1,12 @@
-"""`kvpool serve` as a real process: the OpenAI API, streaming, metrics and bad requests.
-The server runs with an API key (KVPOOL_API_KEY), a 64 KiB request limit and at most 3
-requests in flight; `call` sends the key."""
+"""`kvpool serve` as a real process: the OpenAI API, streaming, metrics, bad requests, the
+model's names and clients that go away mid-request. The server runs with an API key
+(KVPOOL_API_KEY), a 64 KiB request limit and at most 3 requests in flight; `call` sends the
+key."""
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_harness.processes import free_port
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-4f9b2c71e0d3"
@@ -71,8 +74,29 @@ def server(server_log: Path) -> Iterator[str]:
 
 def test_models_and_health(server: str) -> None:
     status, body = call(server, "/v1/models")
-    assert status == 200 and body["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert status == 200 and body["data"][0]["id"] == "smollm2-135m"  # the --model it was started with
     assert call(server, "/health") == (200, {"status": "ok"})
+
+
+def test_the_served_name_and_the_model_s_own_name_are_accepted(server: str) -> None:
+    """As vLLM: the API serves the name given to --model; the model's own name works too; an
+    unknown model is a 404 (NotFoundError, model_not_found); the KV namespace keeps the model's
+    own name."""
+    ids = [m["id"] for m in call(server, "/v1/models")[1]["data"]]
+    assert ids == ["smollm2-135m", "SmolLM2-135M-Instruct"]
+    for name in ids:
+        status, body = call(server, "/v1/completions", {"model": name, "prompt": "Hello", "max_tokens": 2})
+        assert status == 200 and body["model"] == "smollm2-135m", body
+    before = call(server, "/stats")[1]["prefill_tokens"]
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+        status, err = call(server, path, {**body, "model": "gpt-17"})
+        assert status == 404, err
+        assert err["error"]["type"] == "NotFoundError" and err["error"]["code"] == "model_not_found"
+        assert err["error"]["param"] == "model" and "smollm2-135m" in err["error"]["message"]
+    assert call(server, "/stats")[1]["prefill_tokens"] == before
+    layout = call(server, "/kv_layout")[1]
+    assert layout["model"] == "smollm2-135m" and layout["fingerprint"].startswith("SmolLM2-135M-Instruct|")
 
 
 def test_completion_and_chat(server: str) -> None:
@@ -131,7 +155,7 @@ BAD = [
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "model": "gpt-17"}, "does not exist"),
+    ({"prompt": "hi", "model": 17}, "model"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, "x"]}, "prompt"),
@@ -223,7 +247,8 @@ def _fuzz_bodies() -> st.SearchStrategy:
     prompt = st.one_of(st.text(max_size=40), st.lists(st.integers(-(1 << 33), 1 << 33), max_size=8), anything)
     messages = st.one_of(anything, st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]), "content": scalar}), max_size=3))
-    fields = {"model": st.one_of(st.just("SmolLM2-135M-Instruct"), anything), "n": anything, "stop": anything,
+    fields = {"model": st.one_of(st.sampled_from(["smollm2-135m", "SmolLM2-135M-Instruct"]), anything),
+              "n": anything, "stop": anything,
               "stop_token_ids": anything, "logprobs": anything, "top_logprobs": anything, "temperature": anything,
               "top_p": anything, "top_k": anything, "seed": anything, "cache_salt": anything,
               "stream": st.one_of(st.just(False), anything), "stream_options": anything,
@@ -246,16 +271,17 @@ def test_fuzzed_requests_get_clear_errors_and_change_nothing(server: str) -> Non
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         status, answer = call(server, path, data, timeout=60)
         seen[status] = seen.get(status, 0) + 1
-        assert status in (200, 400), (status, answer, data[:200])
-        if status == 400:
-            assert isinstance(answer, dict) and answer["error"]["type"] == "invalid_request_error"
+        assert status in (200, 400, 404), (status, answer, data[:200])
+        if status in (400, 404):  # 404: a model this server does not serve
+            kind = "invalid_request_error" if status == 400 else "NotFoundError"
+            assert isinstance(answer, dict) and answer["error"]["type"] == kind
             assert answer["error"]["message"], answer
             after = call(server, "/stats")[1]
             assert after["prefill_tokens"] == before["prefill_tokens"]  # nothing was computed or cached
             assert after["num_requests_loading"] == 0
 
     run()
-    assert seen.get(400, 0) > 50, seen  # the fuzzer reached the validation, not only the happy path
+    assert seen.get(400, 0) + seen.get(404, 0) > 50, seen  # it reached the validation, not only the happy path
     assert call(server, "/health")[0] == 200
     assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
 
@@ -278,3 +304,58 @@ def test_cross_node_bench_against_a_node_with_an_api_key(server: str, tmp_path: 
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["configs"]["pool-on"]["errors"] == 2
     assert all("HTTP 401" in r["error"] for r in report["requests"]["pool-on"])
+
+
+# ---- clients that go away mid-request ----------------------------------------------------
+
+def _load(base: str) -> dict[str, float]:
+    """The running-requests gauge, generated tokens so far and KV usage from /metrics; the
+    running requests and the admitted HTTP requests not answered yet from /stats."""
+    _, text = call(base, "/metrics")
+    assert isinstance(text, str)
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("kvpool:") and "{" in line}
+    stats = call(base, "/stats")[1]
+    return {"running": values["kvpool:num_requests_running"], "tokens": values["kvpool:generation_tokens_total"],
+            "kv_usage": values["kvpool:kv_cache_usage_perc"], "stats_running": stats["num_requests_running"],
+            "in_flight": stats["http_in_flight"]}
+
+
+def _idle(base: str) -> dict[str, float] | None:
+    """`_load` once nothing runs and no HTTP request is in flight; None before."""
+    now = _load(base)
+    return now if now["running"] == 0 and now["in_flight"] == 0 else None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_a_client_that_goes_away_aborts_its_request(server: str, stream: bool) -> None:
+    """The client sends a long request (2,000 tokens to generate) and closes its connection
+    while the model decodes: the engine drops the request (it stops short of 2,000 tokens
+    and frees its blocks) and /metrics and /stats show nothing running or in flight."""
+    max_tokens = 2000
+    # The gauges follow the engine's step, a moment after the last answer went out: wait.
+    before = wait_for(lambda: _idle(server), timeout_s=60, interval_s=0.1)
+    assert isinstance(before, dict)
+    body = json.dumps({"prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                     % (host.encode(), API_KEY.encode(), len(body), body))
+        if stream:  # the stream has started: its first chunk came
+            got = b""
+            while b"data: " not in got:
+                chunk = sock.recv(4096)
+                assert chunk, got
+                got += chunk
+        wait_for(lambda: _load(server)["tokens"] >= before["tokens"] + 8, timeout_s=120, interval_s=0.1)
+        busy = _load(server)
+        assert busy["running"] == busy["stats_running"] == 1 and busy["in_flight"] == 1, busy
+    finally:
+        sock.close()
+    idle = wait_for(lambda: _idle(server), timeout_s=60, interval_s=0.1)
+    assert isinstance(idle, dict) and idle["stats_running"] == 0, idle
+    assert idle["tokens"] - before["tokens"] < max_tokens, idle  # it stopped, not ran to its end
+    assert idle["kv_usage"] == 0, idle  # its blocks went back to the pool
+    assert call(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
