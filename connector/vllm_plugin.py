@@ -11,8 +11,10 @@ objects into their plain values.
 
 - Hashes: vLLM's own chained block hashes (`request.block_hashes`, which carry its extra
   keys such as `cache_salt`), each rehashed with a seed made from this deployment's layout
-  fingerprint (model, dtype, block size, layers, KV heads, head dim, vLLM's CPU layout); the
-  fingerprint is also the metaserver namespace, so vLLM blocks never meet our engine's.
+  fingerprint (the model by its weights' digest, not its path or served name; dtype, block
+  size, layers, KV heads, head dim, vLLM's CPU layout); the fingerprint is also the
+  metaserver namespace, so vLLM blocks never meet our engine's. A node that finds another
+  serving the same weights in another layout warns at start (`connector.model_identity`).
   vLLM's hashes are equal across processes with its default `sha256` algorithm; with a
   non-cryptographic one its seed is random unless PYTHONHASHSEED is set (warned at start).
 - Loads are asynchronous (WAITING_FOR_REMOTE_KVS until `get_finished` reports them). vLLM's
@@ -32,6 +34,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +45,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.cache_layout import LayeredCache
 from connector.messages import PoolConnectorMetadata
+from connector.model_identity import warn_namespace_conflicts, weights_digest
 from connector.pool_scheduler import PoolScheduler
 from connector.pool_worker import PoolWorker
 from connector.settings import PoolConnectorSettings
@@ -61,13 +65,29 @@ log = logging.getLogger("vllm.kvpool")
 LAYOUT = "LBHNC"  # vLLM's CPU KV layout: per layer [block, kv head, token, K|V x head_dim]
 
 
+def model_identity(model: str, revision: str | None) -> str:
+    """The model by its weights (`connector.model_identity.weights_digest`) where they are a
+    local folder (a path, or a hub id already in the local hub cache); else the hub id and
+    revision, which name the same weights on every node."""
+    path = Path(model)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, revision=revision, local_files_only=True))
+        except Exception as err:  # noqa: BLE001  # any miss of the local cache: fall back to the id
+            log.info("kvpool: %s is not a local folder (%s); naming it by hub id and revision", model, err)
+            return f"{model}@{revision or 'main'}"
+    return weights_digest(path)
+
+
 def layout_fingerprint(vllm_config: VllmConfig) -> str:
-    """The namespace of this deployment's blocks: equal only where the KV bytes are."""
+    """The namespace of this deployment's blocks: equal only where the KV bytes are (the
+    weights, not the path or served name; dtype, block size, shape and CPU layout)."""
     mc, par = vllm_config.model_config, vllm_config.parallel_config
-    name = mc.served_model_name if isinstance(mc.served_model_name, str) else os.path.basename(mc.model.rstrip("/"))
     dtype = str(mc.dtype).removeprefix("torch.")
-    return (f"vllm|{name}|{dtype}|bs{vllm_config.cache_config.block_size}|L{mc.get_num_layers(par)}"
-            f"|kv{mc.get_num_kv_heads(par)}|hd{mc.get_head_size()}|{LAYOUT}")
+    return (f"vllm|{model_identity(mc.model, mc.revision)}|{dtype}|bs{vllm_config.cache_config.block_size}"
+            f"|L{mc.get_num_layers(par)}|kv{mc.get_num_kv_heads(par)}|hd{mc.get_head_size()}|{LAYOUT}")
 
 
 class KVPoolMetadata(KVConnectorMetadata):
@@ -163,6 +183,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                             "unless PYTHONHASHSEED is set: no node will hit another's blocks", algo)
             self._scheduler = PoolScheduler(self._settings, self._fingerprint, self._block_size,
                                             consume=ktc.is_kv_consumer, produce=ktc.is_kv_producer)
+            warn_namespace_conflicts(self._settings, self._fingerprint, log)
         log.info("kvpool connector (%s) for %s, node %s", role.name, self._fingerprint, self._settings.node_id)
 
     # ---- scheduler side -------------------------------------------------------------

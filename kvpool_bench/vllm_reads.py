@@ -6,7 +6,9 @@ both cores, while `--busy-clients` per node keep both servers computing other re
 contention is the point: a loaded serving host, whose vLLM threads spin on the core the
 transfer engine's threads share). Each round, A computes a
 fresh prompt (its full blocks saved and published), then B answers the same prompt plus a
-suffix, loading A's blocks through the pool. Per transfer setting (`--configs`, the transfer
+suffix, loading A's blocks through the pool; with `--stall-every`, A stops answering for
+`--stall-s` seconds as B reads (SIGSTOP/SIGCONT: what swapping or a starved host does to the
+transfer engine's threads). Per transfer setting (`--configs`, the transfer
 engine's progress/transfer timeouts in seconds), one cluster, and one line: blocks offered
 (vLLM's external-hit counter / block size), loaded and validated, failed, the failed reads'
 reasons counted in B's log, and whether B's answers matched A's (greedy, same tokens).
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -44,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--busy-clients", type=int, default=1,
                    help="clients per node sending other requests all the while (the nodes compute as they serve reads)")
     p.add_argument("--pool-size", default="4GiB", help="each node's pool (the README's)")
+    p.add_argument("--stall-every", type=int, default=0,
+                   help="every Kth round, the source stalls (SIGSTOP) as B reads from it: a host that stops "
+                        "answering for a while (swapping, starved, a long GC); 0 = never")
+    p.add_argument("--stall-s", type=float, default=3.0, help="how long a stall lasts")
     p.add_argument("--run-dir", default="runs/bench-vllm-reads")
 
 
@@ -106,6 +114,10 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
                 deadline = time.monotonic() + 60  # A's saves reach the index asynchronously
                 while a.metric("kvpool:pool_published_total") < (r + 1) * args.blocks and time.monotonic() < deadline:
                     time.sleep(0.2)
+                stall = args.stall_every and r % args.stall_every == args.stall_every - 1
+                if stall:  # A stops answering as B's request arrives, for stall_s
+                    os.killpg(a.pid, signal.SIGSTOP)
+                    threading.Timer(args.stall_s, os.killpg, (a.pid, signal.SIGCONT)).start()
                 got = b.complete(prompt + [13], 8)["choices"][0]["token_ids"]
                 same += got == ref
             out["seconds"] = round(time.monotonic() - t0, 1)
@@ -147,8 +159,10 @@ def main(args: argparse.Namespace) -> int:
         sub = run_dir / f"p{progress_s}-t{transfer_s}"
         sub.mkdir(parents=True, exist_ok=True)
         results.append(run_config(sub, progress_s, transfer_s, args))
+    stalls = f", the source stalled {args.stall_s:g} s every {args.stall_every} rounds" if args.stall_every else ""
     print(f"vLLM plug-in loads, {args.rounds} rounds x {args.blocks} blocks, pool {args.pool_size}, "
-          f"{args.burners} busy processes on the machine's cores, {args.busy_clients} other client(s) per node")
+          f"{args.burners} busy processes on the machine's cores, {args.busy_clients} other client(s) per node"
+          f"{stalls}")
     print(f"{'progress/transfer (s)':>22} {'offered':>8} {'loaded':>7} {'failed':>7} {'same answers':>13} "
           f"{'seconds':>8}  failed reads' log lines")
     for r in results:

@@ -76,7 +76,7 @@ class VllmProcess(ChildProcess):
     def __init__(self, log_path: Path, model_dir: Path, node_id: str, metaserver: str = "", cpus: str = "0-1",
                  port: int | None = None, pool_size: str = "1GiB", kv_cache_gib: int = 1,
                  extra_config: dict | None = None, max_model_len: int = 4096, eager: bool = True,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, served_name: str = "smollm2") -> None:
         """`eager`: --enforce-eager (starts in ~25 s; the default compiled graph takes 95-140 s
         to start here and runs 1.6-2.5x faster: benchmarks of speed turn it off). `num_blocks`:
         the KV cache's blocks (--num-gpu-blocks-override) instead of `kv_cache_gib` worth."""
@@ -92,6 +92,7 @@ class VllmProcess(ChildProcess):
         self.max_model_len = max_model_len
         self.eager = eager
         self.num_blocks = num_blocks
+        self.served_name = served_name
 
     @property
     def url(self) -> str:
@@ -104,7 +105,7 @@ class VllmProcess(ChildProcess):
 
     def command(self) -> list[str]:
         args = ["--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--max-model-len", str(self.max_model_len), "--served-model-name", "smollm2"]
+                "--max-model-len", str(self.max_model_len), "--served-model-name", self.served_name]
         if self.eager:
             args.append("--enforce-eager")
         if self.num_blocks is not None:
@@ -137,7 +138,7 @@ class VllmProcess(ChildProcess):
     def complete(self, prompt: list[int], max_tokens: int = 16) -> dict:
         """A greedy /v1/completions call on token ids; raises on a non-200 answer."""
         status, body = http_json(f"{self.url}/v1/completions", {
-            "model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "return_token_ids": True})
         if status != 200:
             raise RuntimeError(f"vLLM node {self.node_id}: HTTP {status}: {body}")

@@ -27,11 +27,13 @@ class Chain:
 class PromptHasher:
     def __init__(self, model: str, served_name: str = "") -> None:
         """Loads `model`'s config and tokenizer (no weights). `served_name`: the model name the
-        nodes serve, if not the model's own (their `--served-model-name`)."""
+        nodes serve, if not the model's own (their `--served-model-name`, or `--model` as
+        given); the nodes answer to the model's own name too, and so does the hasher."""
         loaded = load_model(model, weights=False)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = served_name or loaded.config.name
+        self.model_names = list(dict.fromkeys((self.model_name, loaded.config.name)))
         self.fingerprint = ""
         self.block_size = 0
 
@@ -45,7 +47,7 @@ class PromptHasher:
         """The prompt's token ids and cache salt, or None for a body the nodes would refuse
         (the chosen node then answers it with its own 400)."""
         try:
-            parsed = parse(json.loads(body), chat, self.model_name, default_max_tokens=16)
+            parsed = parse(json.loads(body), chat, self.model_names, default_max_tokens=16)
             if chat:
                 assert parsed.messages is not None
                 ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(parsed.messages))

@@ -82,10 +82,10 @@ def _vllm(run: Path, node_id: str, ms: str, role: str) -> VllmProcess:
     model = export_model()
     cpus = {"S": "0", "R": "1", "C": "0-1"}[role]
     extra = TIMEOUTS if role == "R" else {}
-    # R: 16 blocks of 128 tokens, so other prompts soon take over blocks it recomputed
+    # R: 20 blocks of 128 tokens, so other prompts soon take over blocks it recomputed
     return VllmProcess(run / f"{node_id}.log", model, node_id, ms if role != "C" else "", cpus=cpus,
-                       pool_size="1GiB", extra_config=extra, max_model_len=2048,
-                       num_blocks=16 if role == "R" else None)
+                       pool_size="1GiB", extra_config=extra, max_model_len=1024,
+                       num_blocks=20 if role == "R" else None)
 
 
 def _vllm_counter(node: ChildProcess, key: str) -> float:
@@ -237,7 +237,7 @@ def late_round(c: Cluster) -> None:
     try:
         c.check(c.R, p + c.prompt(0, 6))                       # the read to S fails: recomputed
         assert c.host.counter(c.R, "failed") > failed
-        others = [c.prompt(c.host.blocks + 2), c.prompt(c.host.blocks + 2)]
+        others = [c.prompt(c.host.blocks + 4), c.prompt(c.host.blocks + 4)]
         for q in others:                                       # they take over the recomputed blocks
             c.check(c.R, q)
     finally:
