@@ -80,8 +80,8 @@ class PoolConnectorSettings:
                                       metadata_server=extra("metadata_server", "P2PHANDSHAKE"),
                                       device_name=extra("device_name", ""),
                                       local_hostname=extra("local_hostname", "127.0.0.1"),
-                                      transfer_timeout_s=int(extra("transfer_timeout_s", 5)),
-                                      progress_timeout_s=int(extra("progress_timeout_s", 2)))
+                                      transfer_timeout_s=int(extra("transfer_timeout_s", 20)),
+                                      progress_timeout_s=int(extra("progress_timeout_s", 10)))
             return cls(metaserver=str(metaserver), node_id=str(extra("node_id", "") or default_node_id()),
                        pool_size_bytes=parse_size(extra("pool_size", "1GiB")), transfer=transfer,
                        lease_ttl_s=int(extra("lease_ttl_s", 10)),

@@ -29,9 +29,9 @@ given up by then (its deadline passed: the blocks were reported failed and are b
 recomputed).
 
 Completion: the binding's only whole-batch status call spins until the batch is done. A
-caller that blocks in `wait()` spins on it itself, when the transfer engine's own time bound
-for the batch (its transfer timeout plus 1 ns per byte) ends before the caller's deadline:
-no thread handoff, which is most of a small read's time. Otherwise, and for callers that poll
+caller that blocks in `wait()` spins on it itself, unless it gave `wait` a timeout that ends
+before the transfer engine's own time bound for the batch (its transfer timeout plus 1 ns
+per byte): no thread handoff, which is most of a small read's time. Otherwise, and for callers that poll
 `done()` (the engine loop, which must go on computing), one completion thread spins on them.
 A long chain from one source goes as up to SPLIT batches, all posted at once and completed
 in order, so the blocks of one are validated (checksummed) while the next is still in flight.
@@ -331,14 +331,16 @@ class ReadHandle:
         return None
 
     def _complete_inline(self, end: float | None) -> None:
-        """Complete the posted batches no thread completes yet on this (waiting) thread, if the
-        transfer engine gives up on each before the caller's deadline."""
-        limit = self._deadline if end is None else min(self._deadline, end)
+        """Complete the posted batches no thread completes yet on this (waiting) thread. A
+        posted batch settles only when the transfer engine answers, whatever the read's
+        deadline, so the caller waits for that anyway; only a caller's own `wait` timeout
+        shorter than the engine's bound sends them to the completion thread."""
         timeout_s = self._ctx.te.config.transfer_timeout_s
         with self._lock:
             mine = [b for b in self._batches if b.posted and not b.completing and not b.settled]
             # The engine's bound runs from the submit, which is past: from now it is an upper bound.
-            if not mine or time.monotonic() + timeout_s + max(b.nbytes for b in mine) * 1e-9 >= limit:
+            if not mine or (end is not None and time.monotonic() + timeout_s + max(b.nbytes for b in mine) * 1e-9
+                            >= end):
                 return
             for b in mine:
                 b.completing = True

@@ -30,8 +30,12 @@ class TransferConfig:
     metadata_server: str = "P2PHANDSHAKE"  # or "etcd://HOST:PORT", "http://HOST:PORT/metadata"
     device_name: str = ""                  # RDMA devices, comma-separated; "" = auto
     local_hostname: str = "127.0.0.1"      # address peers reach this node at
-    transfer_timeout_s: int = 5            # a stuck read fails after this (MC_TRANSFER_TIMEOUT)
-    progress_timeout_s: int = 2            # TCP: no progress for this long fails (MC_TCP_PROGRESS_TIMEOUT_SEC)
+    # A read fails once no byte of it moved for progress_timeout_s (the connection is dropped), or
+    # transfer_timeout_s after it was posted (the binding gives up; the transfer may go on: see
+    # kvpool.reader). A loaded host stalls for seconds (swapping, starved threads): at 2 s, such
+    # stalls failed reads that 10 s lets finish (docs/BENCHMARKS.md, "vLLM plug-in reads").
+    transfer_timeout_s: int = 20           # MC_TRANSFER_TIMEOUT (the binding takes at least 5)
+    progress_timeout_s: int = 10           # TCP: MC_TCP_PROGRESS_TIMEOUT_SEC
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):

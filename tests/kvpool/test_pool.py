@@ -352,9 +352,9 @@ def test_back_to_back_source_slots_land_as_one_range_per_batch_and_each_block_is
 
 def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thread(
         two_pools, metaserver: MetaserverProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A caller blocking in wait() spins on the batch's status itself (no thread handoff) when the
-    transfer engine's bound (transfer timeout + 1 ns/byte) ends before the read's deadline; a
-    poller, or a deadline shorter than that bound, goes through the completion thread."""
+    """A caller blocking in wait() spins on the batch's status itself (no thread handoff) unless
+    its wait timeout ends before the transfer engine's bound (transfer timeout + 1 ns/byte); a
+    poller, or such a timeout, goes through the completion thread."""
     a, b = two_pools
     hashes = fill(a, 6)
     handoffs: list[int] = []
@@ -369,7 +369,7 @@ def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thr
         handoffs.clear()
         dest[:] = 0
 
-        res = b.get(r.locations, r.nodes, addrs).wait(60)   # read_timeout 10 s > 5 s + 384 KiB * 1 ns
+        res = b.get(r.locations, r.nodes, addrs).wait(60)   # 60 s > the engine's 20 s + 384 KiB * 1 ns
         assert res.ok == tuple(range(6)) and handoffs == []
         assert all(np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB)) for i, h in enumerate(hashes))
 
@@ -378,7 +378,7 @@ def test_waiting_caller_completes_its_read_itself_pollers_use_the_completion_thr
         assert handle.result is not None and len(handle.result.ok) == 6 and handoffs == [1]
         assert [len(x.idx) for x in handle._batches] == [4, 2]  # two batches, completed in order by one job
 
-        res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 5 s bound: the thread
+        res = b.get(r.locations, r.nodes, addrs).wait(4.0)  # 4 s < the engine's 20 s bound: the thread
         assert len(res.ok) == 6 and handoffs == [1, 1]
     assert b.stats.remote_hits == 24 and b.stats.failed_reads == 0
 

@@ -99,8 +99,8 @@ def _vllm_admitted(node: ChildProcess) -> bool:
 
 
 HOSTS = {
-    "engine": Host("engine", 16, _engine, _engine_counter, _engine_admitted, blocks=6, local_hits=12),
-    "vllm": Host("vllm", 128, _vllm, _vllm_counter, _vllm_admitted, blocks=3, local_hits=14),
+    "engine": Host("engine", 16, _engine, _engine_counter, _engine_admitted, blocks=6, local_hits=20),
+    "vllm": Host("vllm", 128, _vllm, _vllm_counter, _vllm_admitted, blocks=3, local_hits=22),
 }
 
 
@@ -278,7 +278,7 @@ def kill_round(c: Cluster) -> None:
     c.local_hits([p])
 
 
-ROUNDS = {"engine": {"late": 5, "corrupt": 5, "kill": 3}, "vllm": {"late": 6, "corrupt": 4, "kill": 1}}
+ROUNDS = {"engine": {"late": 3, "corrupt": 4, "kill": 2}, "vllm": {"late": 4, "corrupt": 3, "kill": 1}}
 
 
 def test_failed_loads_never_change_an_answer(cluster: Cluster) -> None:
