@@ -255,7 +255,8 @@ class PoolWorker:
         if self.pool is not None:
             ps, pool = self.pool.stats, self.pool
             out.update(pool_puts=ps.puts, pool_evictions=ps.evictions, pool_bytes_read=ps.bytes_read,
-                       pool_failed_reads=ps.failed_reads, pool_remote_hit_blocks=ps.remote_hits,
+                       pool_failed_reads=ps.failed_reads, pool_quarantined_slots=ps.quarantined_slots,
+                       pool_remote_hit_blocks=ps.remote_hits,
                        pool_local_hit_blocks=ps.local_hits, pool_published=ps.published,
                        pool_unpublished=ps.unpublished, pool_blocks=len(pool), pool_slots=pool.num_slots,
                        pool_publishing=int(pool.publishing))

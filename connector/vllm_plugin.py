@@ -127,6 +127,7 @@ PROM_COUNTERS = {
     "pool_bytes_read": "payload bytes read from the pool",
     "pool_remote_hit_blocks": "blocks read from other nodes' pools",
     "pool_failed_reads": "block reads that failed or did not validate",
+    "pool_quarantined_slots": "read-buffer slots lost to failed transfers (never reused: bytes may still land)",
     "pool_evictions": "pool slots evicted",
     "pool_published": "blocks published to the metaserver",
 }

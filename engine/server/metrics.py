@@ -108,6 +108,7 @@ ENGINE_STATS: dict[str, Stat] = {
     "pool_evictions": _counter("Pool slots freed by LRU eviction"),
     "pool_bytes_read": _counter("Payload bytes delivered by pool reads"),
     "pool_failed_reads": _counter("Block reads that failed or did not validate"),
+    "pool_quarantined_slots": _counter("Read-buffer slots lost to failed transfers (never reused: bytes may still land)"),
     "pool_remote_hit_blocks": _counter("Blocks read from other nodes' pools and validated"),
     "pool_local_hit_blocks": _counter("Blocks read from this node's own pool"),
     "pool_published": _counter("Block records acknowledged by the metaserver"),
