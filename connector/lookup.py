@@ -4,7 +4,9 @@ Where it sits: the pool connector's scheduler half submits a lookup when a reque
 (or is first asked about) and polls it while the host schedules; the host is never blocked
 by the metaserver. One thread sends every lookup queued since its last call as one
 QueryPrefixBatch, so the metaserver sees a number of calls bounded by the nodes' steps and
-its own latency, not by their requests.
+its own latency, not by their requests. Lookups are sparse (every block of the chain the
+index holds, not only the prefix from block 0): they are sent before the host knows its
+local hit, and the blocks it needs are those after it.
 
 Circuit breaker: after `breaker_failures` consecutive failed or timed-out calls the breaker
 opens: lookups answer "no remote hit" at once, without an RPC. While it is open the thread
@@ -180,7 +182,8 @@ class Lookups:
     def _call(self, batch: list[tuple[str, tuple[bytes, ...]]]) -> None:
         try:
             results: list[QueryResult | None] = list(self._client.query_prefix_batch(
-                [(self._namespace, chain) for _, chain in batch], self._requester, timeout_s=self._timeout_s))
+                [(self._namespace, chain) for _, chain in batch], self._requester, timeout_s=self._timeout_s,
+                sparse=True))
             ok = True
         except MetaError as err:
             if batch:

@@ -10,12 +10,23 @@ asked about, its chain of full blocks is looked up in the node-local view of the
 view is not current (starting, or its stream silent), the lookup goes off the host's thread
 instead, batched with the other lookups in flight (`connector.lookup`); until that answer
 is in, `num_matched_tokens` says "ask again later" (None), and past the lookup deadline the
-request goes on with its local hit only. The answer (the longest chain present from block 0) is remembered per
-request, so the host may ask again, after any local hit, at no cost. A failed lookup is a
-miss (the request computes locally). A request whose load failed is offered no
-remote hit again (a host that sends it back to admission, as vLLM's `recompute` policy
-does, would otherwise be offered the same failing blocks forever). Loads and saves
-accumulate until `build_meta()` hands them to the worker half.
+request goes on with its local hit only. The answer is remembered per request, so the host
+may ask again, after any local hit, at no cost. A failed lookup is a miss (the request
+computes locally).
+
+What is offered: the longest run of blocks the index holds starting where the host's own
+cache stops (the block `num_computed_tokens` reaches, vLLM's semantics), whatever the index
+holds before it. So lookups are sparse (every block of the chain the index holds, not the
+prefix from block 0): they start before the local hit is known, and the pool often lacks
+the chain's first blocks exactly because they are a local hit everywhere (a shared system
+prompt is never computed, saved or read again, so the pool's LRU drops it), while it still
+holds the blocks behind them. A load is that run: chain blocks start, start+1, ... into the
+request's cache blocks start, start+1, ..., never across a gap.
+
+A request whose load failed is offered no remote hit again (a host that sends it back to
+admission, as vLLM's `recompute` policy does, would otherwise be offered the same failing
+blocks forever). Loads and saves accumulate until `build_meta()` hands them to the worker
+half.
 
 P/D (`connector.handoff`): a request that comes with a producer's transfer params takes its
 hit from them instead of a lookup (the blocks are read straight from the producer's slots);
@@ -38,7 +49,7 @@ from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec, SendSp
 from connector.save_policy import SavePolicy
 from connector.settings import PoolConnectorSettings
 from metaserver.client import MetaClient
-from metaserver.types import BlockHash, BlockLocation, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, QueryResult
 from metaserver.view import IndexView
 
 log = logging.getLogger(__name__)
@@ -101,10 +112,13 @@ class FailedReads:
 
 @dataclass(slots=True)
 class _Hit:
+    """A request's lookup answer, and what was last offered from it."""
+
     end: int                                # blocks looked up (from block 0)
-    locations: tuple[BlockLocation, ...]    # the longest present prefix from block 0
-    nodes: dict[NodeId, NodeRecord]
+    answer: QueryResult                     # what the index holds of them (sparse: anywhere in the chain)
+    stop: int                               # chain block from which nothing is offered (a read just failed there)
     start: int = 0                          # the local hit (blocks) the host last asked after
+    offered: tuple[BlockLocation, ...] = ()  # what it was offered then: chain blocks start, start+1, ...
 
 
 class PoolScheduler:
@@ -117,7 +131,7 @@ class PoolScheduler:
         self.block_size = block_size
         self.consume = consume
         self.produce = produce
-        self.hit_blocks = 0   # blocks the index matched (counter)
+        self.hit_blocks = 0   # blocks the index offered, anywhere in the chains looked up (counter)
         self._client = client or settings.meta_client()
         self._lookups = Lookups(self._client, fingerprint, settings.node_id, settings.query_timeout_s,
                                 settings.lookup_deadline_s)
@@ -159,22 +173,23 @@ class PoolScheduler:
             else:
                 self.handoff_loads += 1
                 self.hit_blocks += len(locations)
-                self._hits[request_id] = _Hit(end, locations, nodes)
+                self._hits[request_id] = _Hit(end, QueryResult(locations, nodes), end)
                 return
-        res = self._view.query(block_hashes[:end]) if self._view is not None else None
+        res = self._view.query(block_hashes[:end], sparse=True) if self._view is not None else None
         if res is not None:  # answered at once, on this thread, with no RPC
             self.view_answers += 1
-            self.hit_blocks += len(res.locations)
-            self._hits[request_id] = _Hit(end, res.locations, res.nodes)
+            self.hit_blocks += res.num_held
+            self._hits[request_id] = _Hit(end, res, end)
             return
         self._lookups.submit(request_id, block_hashes[:end])
         self._asked[request_id] = end
 
     def num_matched_tokens(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                            num_computed_tokens: int) -> int | None:
-        """Tokens after the local hit (`num_computed_tokens`, block-aligned) the pool can load;
-        None while the lookup is in flight ("ask again later"). Leaves the request's last
-        token to compute (its logits start the output). Never blocks."""
+        """Tokens after the local hit (`num_computed_tokens`, block-aligned) the pool can load:
+        the run of blocks the index holds from there, whatever it holds before; None while
+        the lookup is in flight ("ask again later"). Leaves the request's last token to
+        compute (its logits start the output). Never blocks."""
         if not self.consume or request_id in self._load_failed:
             return 0
         bs = self.block_size
@@ -189,14 +204,17 @@ class PoolScheduler:
             state, res = self._lookups.poll(request_id)
             if state is LookupState.PENDING:
                 return None
-            hit = _Hit(end, res.locations, res.nodes) if res is not None else _Hit(end, (), {})
-            self.hit_blocks += len(hit.locations)
+            hit = _Hit(end, res if res is not None else QueryResult((), {}), end)
+            self.hit_blocks += hit.answer.num_held
             self._hits[request_id] = hit
-        usable = self._avoid.usable(hit.locations)  # the answer, cut at a source or block that just failed
-        if usable < len(hit.locations):
-            hit.locations = hit.locations[:usable]
-        hit.start = start
-        return max(0, len(hit.locations) - start) * bs
+        run = hit.answer.run_from(start)[:max(0, min(end, hit.stop) - start)]
+        assert all(loc.block_hash == block_hashes[start + j] for j, loc in enumerate(run)), "a run has no gap"
+        usable = self._avoid.usable(run)  # the run, cut at a source or block that just failed
+        if usable < len(run):
+            hit.stop = start + usable  # never offered to this request again (nor counted again)
+            run = run[:usable]
+        hit.start, hit.offered = start, run
+        return len(run) * bs
 
     def wait_for_lookups(self, timeout_s: float) -> None:
         """Block until a lookup is answered or `timeout_s` passed (for a host with nothing else
@@ -206,19 +224,21 @@ class PoolScheduler:
     def on_alloc(self, request_id: str, block_table: Sequence[int], num_external_tokens: int) -> None:
         """The host allocated the request's blocks (`block_table`: all of them, from block 0)
         for its first `num_external_tokens` external tokens after the local hit: plan their
-        load. ValueError if that is more than the lookup found."""
+        load, the first blocks of the run last offered (`num_matched_tokens`): chain block
+        start + j into block_table[start + j]. ValueError if that is more than was offered."""
         hit = self._hits.pop(request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
         n = num_external_tokens // self.block_size
         first = hit.start
         dests = tuple(block_table[first:first + n])
-        locs = hit.locations[first:first + n]
+        locs = hit.offered[:n]
         if len(locs) < n or len(dests) < n:
-            raise ValueError(f"{request_id}: {n} external blocks but {len(locs)} hits "
+            raise ValueError(f"{request_id}: {n} external blocks but {len(locs)} offered "
                              f"and {len(dests)} blocks allocated after the local hit")
+        nodes = hit.answer.nodes
         spec = LoadSpec(request_id, dests, locs,
-                        {loc.node_id: hit.nodes[loc.node_id] for loc in locs if loc.node_id in hit.nodes})
+                        {loc.node_id: nodes[loc.node_id] for loc in locs if loc.node_id in nodes})
         self._loading[request_id] = spec
         self._loads.append(spec)
 

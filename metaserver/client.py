@@ -57,13 +57,22 @@ class Registration:
     session_token: str = field(default="", repr=False)  # proof of this registration; secret
 
 
-def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse) -> QueryResult:
+def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse, sparse: bool) -> QueryResult:
+    """The domain answer. A sparse query's blocks are placed by `chain_index`; a server that
+    predates `sparse` answers the prefix only (no chain_index), which then stands as a sparse
+    answer that knows nothing past the first gap."""
     nodes = [node_from_pb(n) for n in resp.nodes]
-    locations = tuple(
-        BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
-        for i, (k, off, size, gen) in enumerate(zip(resp.node_index, resp.offsets, resp.sizes_bytes,
-                                                    resp.generations)))
-    return QueryResult(locations, {n.node_id: n for n in nodes})
+    index = resp.chain_index or range(len(resp.node_index))
+    located = [BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
+               for i, k, off, size, gen in zip(index, resp.node_index, resp.offsets, resp.sizes_bytes,
+                                               resp.generations, strict=True)]
+    by_node = {n.node_id: n for n in nodes}
+    if not sparse or not located:
+        return QueryResult(tuple(located), by_node)
+    held: list[BlockLocation | None] = [None] * (index[-1] + 1)
+    for i, loc in zip(index, located):
+        held[i] = loc
+    return QueryResult(tuple(located[:resp.num_matched]), by_node, tuple(held))
 
 
 class MetaClient:
@@ -170,19 +179,23 @@ class MetaClient:
                          node_id=node_id).num_removed
 
     def query_prefix(self, namespace: str, hashes: Sequence[bytes], requester_node_id: str = "",
-                     timeout_s: float | None = None) -> QueryResult:
+                     timeout_s: float | None = None, sparse: bool = False) -> QueryResult:
+        """The longest present prefix of the chain `hashes`; with `sparse`, also every other
+        block of it the index holds (`QueryResult.held`, `QueryResult.run_from`)."""
         resp = self._rpc("QueryPrefix", pb.QueryPrefixRequest(
-            namespace=namespace, block_hashes=list(hashes), requester_node_id=requester_node_id), timeout_s)
-        return _query_result(hashes, resp)
+            namespace=namespace, block_hashes=list(hashes), requester_node_id=requester_node_id, sparse=sparse),
+            timeout_s)
+        return _query_result(hashes, resp, sparse)
 
     def query_prefix_batch(self, queries: Sequence[tuple[str, Sequence[bytes]]], requester_node_id: str = "",
-                           timeout_s: float | None = None) -> list[QueryResult]:
+                           timeout_s: float | None = None, sparse: bool = False) -> list[QueryResult]:
         """Many lookups in one RPC: (namespace, chain) each; result i answers query i as
         `query_prefix` would."""
         resp = self._rpc("QueryPrefixBatch", pb.QueryPrefixBatchRequest(queries=[
-            pb.QueryPrefixRequest(namespace=ns, block_hashes=list(chain), requester_node_id=requester_node_id)
+            pb.QueryPrefixRequest(namespace=ns, block_hashes=list(chain), requester_node_id=requester_node_id,
+                                  sparse=sparse)
             for ns, chain in queries]), timeout_s)
-        return [_query_result(chain, r) for (_, chain), r in zip(queries, resp.results, strict=True)]
+        return [_query_result(chain, r, sparse) for (_, chain), r in zip(queries, resp.results, strict=True)]
 
     def report_failed_read(self, source_node_id: str, block_hashes: Sequence[bytes] = (),
                            reporter_node_id: str = "", timeout_s: float | None = None) -> tuple[int, bool]:

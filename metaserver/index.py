@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from metaserver.feed import IndexFeed, Kind
 from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace,
@@ -149,34 +150,49 @@ class BlockIndex:
     def knows_namespace(self, namespace: Namespace) -> bool:
         return namespace in self._blocks or any(n.namespace == namespace for n in self.nodes.values())
 
-    def query(self, namespace: Namespace, chain: Sequence[BlockHash], requester: NodeId | None = None) -> QueryResult:
-        """The longest prefix of `chain` present in `namespace`, one location per block.
+    def query(self, namespace: Namespace, chain: Sequence[BlockHash], requester: NodeId | None = None,
+              sparse: bool = False) -> QueryResult:
+        """The longest prefix of `chain` present in `namespace`, one location per block; with
+        `sparse`, also every other block of `chain` present (`QueryResult.held`).
 
         A block is served from the requester's own copy when it has one; otherwise from the
         holder that has been handed out least so far (ties: the previous block's source, so
         chains stay on one node and batch well). Suspect nodes (`mark_suspect`) are not
-        offered: a block held only by them ends the match, as a missing block does. Side
-        effect: the chosen sources' load counters grow.
+        offered: a block held only by them ends the match, as a missing block does (sparse:
+        it is a gap). Side effect: the chosen sources' load counters grow (sparse: for every
+        block offered, including those the requester's own cache may make unneeded; the
+        counters only spread reads, so the skew is harmless).
+
+        Cost: one C-level pass over the chain's hashes, then one step per block offered; a
+        sparse query offers at most len(chain) blocks, so it costs the same order as a
+        prefix query of a chain that is fully present.
         """
         ns_map = self._blocks.get(namespace)
         nodes: dict[NodeId, NodeRecord] = {}
         if ns_map is None:
             return QueryResult((), nodes)
-        # The holders of the chain's blocks in one C-level pass, cut at the first missing one:
-        # this walk is every lookup's cost (in the metaserver and in every node's view).
+        # The holders of the chain's blocks in one C-level pass (a prefix query cuts it at the
+        # first missing one): this walk is every lookup's cost (in the metaserver and in every
+        # node's view).
         found = list(map(ns_map.get, chain))
-        if None in found:
+        if not sparse and None in found:
             del found[found.index(None):]
         load = self._source_load
         suspect = self.suspects() if self._suspect else ()
-        locations: list[BlockLocation] = []
-        append = locations.append
+        held: list[BlockLocation | None] = []
+        append = held.append
         prev: NodeId | None = None
         for holders in found:
+            if holders is None:
+                append(None)
+                continue
             if suspect:
                 holders = {n: loc for n, loc in holders.items() if n not in suspect}
                 if not holders:
-                    break
+                    if not sparse:
+                        break
+                    append(None)
+                    continue
             if len(holders) == 1:  # the common case, kept short
                 ((chosen, loc),) = holders.items()
             elif requester in holders:
@@ -190,7 +206,11 @@ class BlockIndex:
             if chosen != prev:
                 nodes[chosen] = self.nodes[chosen]
                 prev = chosen
-        return QueryResult(tuple(locations), nodes)
+        while held and held[-1] is None:
+            held.pop()
+        prefix = held.index(None) if None in held else len(held)  # a prefix query has no gap: the loop broke
+        return QueryResult(cast(tuple[BlockLocation, ...], tuple(held[:prefix])), nodes,
+                           tuple(held) if sparse else ())
 
     def prefix_by_node(self, namespace: Namespace, chain: Sequence[BlockHash]) -> tuple[int, dict[NodeId, int]]:
         """How much of `chain` the pool holds: the longest present prefix (blocks, any holders)

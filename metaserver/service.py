@@ -366,29 +366,31 @@ class MetaService:
         return removed
 
     @reader
-    def query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
-        """Longest present prefix; never waits for etcd (see BlockIndex.query)."""
-        return self._query(namespace, hashes, requester)
+    def query(self, namespace: str, hashes: Sequence[bytes], requester: str, sparse: bool = False) -> QueryResult:
+        """Longest present prefix (with `sparse`, every block present); never waits for etcd
+        (see BlockIndex.query)."""
+        return self._query(namespace, hashes, requester, sparse)
 
-    def _query(self, namespace: str, hashes: Sequence[bytes], requester: str) -> QueryResult:
+    def _query(self, namespace: str, hashes: Sequence[bytes], requester: str, sparse: bool) -> QueryResult:
         self._check_hashes(hashes, self.config.max_query_hashes, "query")
         ns = self._check_namespace(namespace)
-        result = self.index.query(ns, cast(list[BlockHash], hashes), NodeId(requester) if requester else None)
+        result = self.index.query(ns, cast(list[BlockHash], hashes), NodeId(requester) if requester else None,
+                                  sparse)
         self.counters.queries += 1
         self.counters.query_blocks += len(hashes)
-        self.counters.query_hit_blocks += result.num_matched
+        self.counters.query_hit_blocks += result.num_held
         return result
 
     @reader
-    def query_batch(self, queries: Sequence[tuple[str, Sequence[bytes], str]]) -> list[QueryResult]:
-        """Many `query` calls as one: all checked first, so a bad one fails the whole batch and
-        none is answered or counted."""
+    def query_batch(self, queries: Sequence[tuple[str, Sequence[bytes], str, bool]]) -> list[QueryResult]:
+        """Many `query` calls (namespace, hashes, requester, sparse) as one: all checked first,
+        so a bad one fails the whole batch and none is answered or counted."""
         if len(queries) > MAX_BATCH_QUERIES:
             raise InvalidArgument(f"QueryPrefixBatch takes at most {MAX_BATCH_QUERIES} queries, got {len(queries)}")
-        for namespace, hashes, _ in queries:
+        for namespace, hashes, _, _ in queries:
             self._check_hashes(hashes, self.config.max_query_hashes, "query")
             self._check_namespace(namespace)
-        return [self._query(ns, hashes, requester) for ns, hashes, requester in queries]
+        return [self._query(ns, hashes, requester, sparse) for ns, hashes, requester, sparse in queries]
 
     @writer
     def report_failed_read(self, reporter: str, source: str, hashes: Sequence[bytes]) -> tuple[int, bool]:

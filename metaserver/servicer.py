@@ -50,11 +50,16 @@ def node_info(node: NodeRecord, num_blocks: int = 0) -> pb.NodeInfo:
 
 def query_response(result: QueryResult) -> pb.QueryPrefixResponse:
     order = {node_id: i for i, node_id in enumerate(result.nodes)}
-    locs = result.locations
+    if result.held:  # a sparse answer: every block present, with its place in the chain
+        chain_index = [i for i, loc in enumerate(result.held) if loc is not None]
+        locs = [loc for loc in result.held if loc is not None]
+    else:
+        chain_index, locs = [], list(result.locations)
     return pb.QueryPrefixResponse(
-        num_matched=len(locs), nodes=[node_info(n) for n in result.nodes.values()],
+        num_matched=len(result.locations), nodes=[node_info(n) for n in result.nodes.values()],
         node_index=[order[loc.node_id] for loc in locs], offsets=[loc.offset for loc in locs],
-        sizes_bytes=[loc.size_bytes for loc in locs], generations=[loc.generation for loc in locs])
+        sizes_bytes=[loc.size_bytes for loc in locs], generations=[loc.generation for loc in locs],
+        chain_index=chain_index)
 
 
 def _call(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -165,13 +170,13 @@ class MetaServicer:
     def QueryPrefix(self, request: pb.QueryPrefixRequest, context: grpc.ServicerContext,
                     caller: Caller) -> pb.QueryPrefixResponse:
         result = _call(context, lambda: self.service.query(
-            request.namespace, list(request.block_hashes), request.requester_node_id))
+            request.namespace, list(request.block_hashes), request.requester_node_id, request.sparse))
         return query_response(result)
 
     def QueryPrefixBatch(self, request: pb.QueryPrefixBatchRequest, context: grpc.ServicerContext,
                          caller: Caller) -> pb.QueryPrefixBatchResponse:
         results = _call(context, lambda: self.service.query_batch(
-            [(q.namespace, list(q.block_hashes), q.requester_node_id) for q in request.queries]))
+            [(q.namespace, list(q.block_hashes), q.requester_node_id, q.sparse) for q in request.queries]))
         return pb.QueryPrefixBatchResponse(results=[query_response(r) for r in results])
 
     def ReportFailedRead(self, request: pb.ReportFailedReadRequest, context: grpc.ServicerContext,

@@ -50,14 +50,45 @@ class BlockLocation:
 
 @dataclass(frozen=True, slots=True)
 class QueryResult:
-    """The longest present prefix of a chain: one chosen location per matched block."""
+    """What the index holds of a chain: one chosen location per block it offers.
 
-    locations: tuple[BlockLocation, ...]     # in chain order; len() == number of matched blocks
-    nodes: dict[NodeId, NodeRecord]          # every node named in `locations`
+    `locations` is the longest present prefix (from block 0), for every query. A sparse query
+    also answers `held`: every block of the chain the index holds, wherever it is. An engine
+    needs that because its own cache usually covers the chain's first blocks (a shared system
+    prompt that is a local hit every time is never saved or read again, so the pool drops it)
+    and it loads the run that starts where its cache stops (`run_from`), which it only learns
+    after the lookup was sent.
+    """
+
+    locations: tuple[BlockLocation, ...]     # the longest present prefix, in chain order
+    nodes: dict[NodeId, NodeRecord]          # every node named in `locations` or `held`
+    # Sparse queries: per chain block up to the last one present, its chosen location, or
+    # None where the index holds no (usable) copy; begins with `locations`. () for a prefix
+    # query (nothing is known past the first gap) and for a sparse one that found nothing.
+    held: tuple[BlockLocation | None, ...] = ()
 
     @property
     def num_matched(self) -> int:
+        """Blocks of the present prefix (from block 0)."""
         return len(self.locations)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks the answer offers anywhere in the chain (the prefix, for a prefix query)."""
+        return sum(loc is not None for loc in self.held) if self.held else len(self.locations)
+
+    def run_from(self, start: int) -> tuple[BlockLocation, ...]:
+        """The offered blocks from chain block `start` up to the first one not offered: the
+        blocks of chain indices start, start+1, ... (consecutive, never across a gap). For a
+        prefix answer, what the prefix holds past `start`."""
+        if not self.held:
+            return self.locations[start:]
+        run: list[BlockLocation] = []
+        for loc in self.held[start:]:
+            if loc is None:
+                break
+            run.append(loc)
+        return tuple(run)
 
 
 @dataclass(frozen=True, slots=True)

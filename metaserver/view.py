@@ -69,13 +69,14 @@ class IndexView:
         """A complete view, its stream connected and heard from within stale_after_s."""
         return self._complete and self._connected and time.monotonic() - self._heard < self.stale_after_s
 
-    def query(self, chain: Sequence[bytes]) -> QueryResult | None:
-        """The longest present prefix of `chain`, as the metaserver would answer it; None
-        while the view is not current (no snapshot yet, or the stream has been silent)."""
+    def query(self, chain: Sequence[bytes], sparse: bool = False) -> QueryResult | None:
+        """The longest present prefix of `chain` (with `sparse`, every block of it present), as
+        the metaserver would answer it; None while the view is not current (no snapshot yet,
+        or the stream has been silent)."""
         if not self.current():
             return None
         with self._lock:
-            return self._index.query(self.namespace, cast(Sequence[BlockHash], chain), self._requester)
+            return self._index.query(self.namespace, cast(Sequence[BlockHash], chain), self._requester, sparse)
 
     def prefix_by_node(self, chain: Sequence[bytes]) -> tuple[int, dict[NodeId, int]] | None:
         """`BlockIndex.prefix_by_node` on the view (a router's question: who holds how much of

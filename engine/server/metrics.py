@@ -70,7 +70,7 @@ ENGINE_STATS: dict[str, Stat] = {
     "spec_acceptance_rate": _gauge("Accepted over proposed draft tokens since start"),
     "spec_mean_accepted_length": _gauge("Tokens per verify step since start (1 + accepted drafts)"),
     # the connector's scheduler half (connector.pool_scheduler.PoolScheduler.counters)
-    "connector_hit_blocks": _counter("Blocks the pool index matched for this node's requests"),
+    "connector_hit_blocks": _counter("Blocks the pool index offered for this node's requests (anywhere in a chain)"),
     "connector_saves_skipped": _counter("Blocks not saved: computed here for the first time (selective policy)"),
     "connector_handoff_loads": _counter("Requests whose hit came from a producer's transfer params (P/D)"),
     "connector_handoff_sends": _counter("Requests handed to a remote decode node (P/D)"),

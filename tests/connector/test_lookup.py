@@ -39,7 +39,7 @@ class ScriptedClient:
         return len(block_hashes), not block_hashes
 
     def query_prefix_batch(self, queries: Sequence[tuple[str, Sequence[bytes]]], requester_node_id: str = "",
-                           timeout_s: float | None = None) -> list[QueryResult]:
+                           timeout_s: float | None = None, sparse: bool = False) -> list[QueryResult]:
         self.gate.wait(10)
         self.calls.append(len(queries))
         if self.fail:
@@ -133,11 +133,25 @@ def test_forgotten_lookups_leave_nothing_behind(client: ScriptedClient) -> None:
 class TwoNodeClient(ScriptedClient):
     """Every block of a chain is present: blocks 0-1 on node "a", the rest on node "b"."""
 
-    def query_prefix_batch(self, queries, requester_node_id="", timeout_s=None):  # noqa: ANN001, ANN201
+    def query_prefix_batch(self, queries, requester_node_id="", timeout_s=None, sparse=False):  # noqa: ANN001, ANN201
         self.gate.wait(10)
         self.calls.append(len(queries))
         return [QueryResult(tuple(BlockLocation(BlockHash(h), NodeId("a" if i < 2 else "b"), i * 64, 64, 1)
                                   for i, h in enumerate(chain)), {}) for _, chain in queries]
+
+
+class GappedClient(ScriptedClient):
+    """Answers sparse lookups only: every block of a chain is on node "a" but blocks 0 and 4
+    (block 0 as a shared system prompt: hot in every engine, so aged out of the pool)."""
+
+    def query_prefix_batch(self, queries, requester_node_id="", timeout_s=None, sparse=False):  # noqa: ANN001, ANN201
+        self.calls.append(len(queries))
+        assert sparse, "the connector's lookups must ask for every block held"
+        return [QueryResult((), {}, tuple(self.held(i, h) for i, h in enumerate(chain))) for _, chain in queries]
+
+    @staticmethod
+    def held(i: int, block_hash: bytes) -> BlockLocation | None:
+        return None if i in (0, 4) else BlockLocation(BlockHash(block_hash), NodeId("a"), i * 64, 64, 1)
 
 
 def scheduler(client: ScriptedClient):  # noqa: ANN201
@@ -199,5 +213,30 @@ def test_a_dead_source_is_paid_for_once_and_a_bad_block_alone() -> None:
         wait_for(lambda: len(client.reports) == 2)
         assert client.reports == [("b", [], "me"), ("a", [hashes(4, 5)[0]], "me")]
         assert ps.counters()["lookup_failed_read_reports"] == 2
+    finally:
+        ps.close()
+
+
+def test_the_run_after_the_local_hit_is_offered_whatever_the_pool_lacks_before_it() -> None:
+    client = GappedClient()
+    ps = scheduler(client)
+    try:
+        chain = hashes(6, 8)                                         # 8 blocks; the lookup covers all 8
+        assert matched(ps, "r", chain) == 0                          # no local hit: block 0 is not in the pool
+        assert ps.num_matched_tokens("r", chain, 33, 4) == 12        # local hit of block 0: blocks 1-3
+        assert ps.num_matched_tokens("r", chain, 33, 8) == 8         # of blocks 0-1: blocks 2-3
+        assert ps.num_matched_tokens("r", chain, 33, 16) == 0        # block 4 is a gap
+        assert ps.num_matched_tokens("r", chain, 33, 20) == 12       # blocks 5-7
+        assert sum(client.calls) == 1                                # one lookup answered every local hit
+        assert ps.num_matched_tokens("r", chain, 33, 4) == 12
+        ps.on_alloc("r", list(range(100, 108)), 12)
+        (load,) = ps.build_meta().loads                              # chain blocks 1-3 into cache blocks 1-3
+        assert load.block_ids == (101, 102, 103)
+        assert [loc.block_hash for loc in load.locations] == chain[1:4]
+        ps.on_worker_report({"r"}, {102})                            # chain block 2 failed on node a
+        assert matched(ps, "r2", chain, computed=4) == 4             # the run stops before it
+        assert ps.num_matched_tokens("r2", chain, 33, 4) == 4
+        assert ps.counters()["connector_avoided_blocks"] == 2        # blocks 2-3, counted once
+        assert matched(ps, "r3", chain, computed=20) == 12           # other runs are untouched
     finally:
         ps.close()

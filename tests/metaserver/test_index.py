@@ -1,5 +1,7 @@
 """Unit tests of the in-memory index (no network)."""
+from metaserver.client import _query_result
 from metaserver.index import BlockIndex
+from metaserver.servicer import query_response
 from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
 
 NS = Namespace("model-a")
@@ -113,3 +115,49 @@ def test_prefix_by_node_counts_each_holders_own_run() -> None:
     assert idx.prefix_by_node(Namespace("other"), chain) == (0, {})
     assert idx.mark_suspect(NodeId("a"), 30)  # not offered: block 3 is then missing
     assert idx.prefix_by_node(NS, chain) == (3, {NodeId("b"): 2})
+
+
+def test_sparse_query_answers_every_block_held_and_the_run_from_any_block() -> None:
+    """A first block the pool dropped (a shared system prompt: a local hit on every engine, so
+    never saved or read again) hides nothing behind it from a sparse query."""
+    idx = BlockIndex()
+    for n in "ab":
+        idx.upsert_node(node(n))
+    publish(idx, "a", [1, 2, 3, 6])
+    publish(idx, "b", [4])
+    chain = [h(i) for i in range(9)]
+    assert idx.query(NS, chain) == idx.query(NS, chain, sparse=False)
+    assert idx.query(NS, chain).held == () and idx.query(NS, chain).num_matched == 0
+    r = idx.query(NS, chain, sparse=True)
+    assert r.num_matched == 0 and r.num_held == 5 and set(r.nodes) == {"a", "b"}
+    assert [loc and loc.block_hash for loc in r.held] == [None, h(1), h(2), h(3), h(4), None, h(6)]  # no trailing gap
+    assert [loc.block_hash for loc in r.run_from(1)] == [h(1), h(2), h(3), h(4)]
+    assert [loc.node_id for loc in r.run_from(3)] == ["a", "b"]
+    assert r.run_from(0) == r.run_from(5) == r.run_from(7) == r.run_from(20) == ()
+    assert [loc.block_hash for loc in r.run_from(6)] == [h(6)]
+
+    publish(idx, "b", [0])
+    r = idx.query(NS, chain, sparse=True)
+    assert r.num_matched == 5 and r.locations == r.held[:5] == idx.query(NS, chain).locations
+    assert r.run_from(2) == r.locations[2:]
+    assert idx.mark_suspect(NodeId("b"), 30)  # a block only a suspect holds is a gap, not the end
+    r = idx.query(NS, chain, sparse=True)
+    assert [loc is not None for loc in r.held] == [False, True, True, True, False, False, True]
+    assert set(r.nodes) == {"a"} and idx.query(NS, chain).num_matched == 0
+
+
+def test_a_prefix_answer_stands_for_a_sparse_one_that_knows_nothing_past_the_gap() -> None:
+    """Over the wire (servicer's conversion, then the client's): a sparse answer keeps each
+    block's place in the chain; a prefix answer (what a server that predates `sparse` sends)
+    reads as a sparse answer whose blocks are the prefix."""
+    idx = BlockIndex()
+    idx.upsert_node(node("a"))
+    publish(idx, "a", [0, 1, 3, 4])
+    chain = [h(i) for i in range(6)]
+    sparse = idx.query(NS, chain, sparse=True)
+    assert _query_result(chain, query_response(sparse), sparse=True) == sparse
+    prefix = idx.query(NS, chain)
+    assert _query_result(chain, query_response(prefix), sparse=False) == prefix
+    old = _query_result(chain, query_response(prefix), sparse=True)
+    assert old.locations == prefix.locations and old.run_from(0) == prefix.locations and old.run_from(3) == ()
+    assert _query_result(chain, query_response(idx.query(NS, [h(9)], sparse=True)), sparse=True).num_held == 0

@@ -79,6 +79,23 @@ def test_break_in_chain_ends_match(client: MetaClient) -> None:
     assert client.query_prefix(NS, [h(i) for i in range(5)]).num_matched == 2
 
 
+def test_sparse_query_answers_the_blocks_behind_a_missing_first_block(client: MetaClient) -> None:
+    client.publish("node-a", recs([1, 2, 3, 5]))
+    client.publish("node-b", recs([0]))
+    assert client.unpublish("node-b", [h(0)]) == 1        # block 0 left the pool (evicted there)
+    chain = [h(i) for i in range(7)]
+    assert client.query_prefix(NS, chain).num_matched == 0
+    r = client.query_prefix(NS, chain, sparse=True)
+    assert r.num_matched == 0 and r.num_held == 4
+    assert [loc.block_hash for loc in r.run_from(1)] == chain[1:4]
+    assert [loc.offset for loc in r.run_from(1)] == [4096, 8192, 12288]
+    assert r.run_from(4) == () and [loc.block_hash for loc in r.run_from(5)] == [h(5)]
+    assert r.nodes["node-a"].session_address == "127.0.0.1:7001"
+    batch = client.query_prefix_batch([(NS, chain), (NS, chain[1:])], "node-b", sparse=True)
+    assert batch[0] == client.query_prefix(NS, chain, "node-b", sparse=True)
+    assert batch[1].num_matched == 3 and batch[1].run_from(0) == r.run_from(1)
+
+
 def test_own_copy_first_then_spread_by_load(client: MetaClient) -> None:
     client.publish("node-a", recs(list(range(8))))
     client.publish("node-b", recs(list(range(8))))

@@ -65,6 +65,11 @@ def test_the_view_follows_the_index_and_sees_only_its_namespace(metaserver: Meta
             c.keepalive("n1", c.list_nodes()[0][0].lease_id)                  # alive again: offered
             wait_for(lambda: view.query(chain(40)).num_matched == 40)
             assert same_answer(view, c, 40) and view.snapshots == 1
+            c.unpublish("n1", [h(0)])                                         # sparse: what lies behind a gap
+            wait_for(lambda: view.query(chain(40)).num_matched == 0)
+            mine = view.query(chain(40), sparse=True)
+            assert mine is not None and mine.num_held == 39 and len(mine.run_from(1)) == 39
+            assert mine.held == c.query_prefix(NS, chain(40), "reader", sparse=True).held
         finally:
             view.close()
 

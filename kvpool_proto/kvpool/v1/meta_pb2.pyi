@@ -129,30 +129,34 @@ class UnpublishResponse(_message.Message):
     def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
 
 class QueryPrefixRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "requester_node_id")
+    __slots__ = ("namespace", "block_hashes", "requester_node_id", "sparse")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     requester_node_id: str
-    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., requester_node_id: _Optional[str] = ...) -> None: ...
+    sparse: bool
+    def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., requester_node_id: _Optional[str] = ..., sparse: _Optional[bool] = ...) -> None: ...
 
 class QueryPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "nodes", "node_index", "offsets", "sizes_bytes", "generations")
+    __slots__ = ("num_matched", "nodes", "node_index", "offsets", "sizes_bytes", "generations", "chain_index")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_INDEX_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     node_index: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+    chain_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., chain_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QueryPrefixBatchRequest(_message.Message):
     __slots__ = ("queries",)
