@@ -166,12 +166,13 @@ def test_source_killed_while_b_loads_recomputes_identically(cluster: dict) -> No
 
 
 def test_the_readmes_vllm_command_runs_and_shares_with_the_other_nodes(cluster: dict) -> None:
-    """The README's command (a node of the cluster, started through bash) loads a prefix A
-    computed and answers like vLLM alone; no node of the same weights warns of a conflict."""
-    a, r, c, client = cluster["A"], cluster["R"], cluster["C"], cluster["client"]
+    """The README's command (a node of the cluster, started through bash) loads a prefix B
+    computed (A may be dead by now: an earlier test kills it) and answers like vLLM alone;
+    no node of the same weights warns of a conflict."""
+    b, r, c, client = cluster["B"], cluster["R"], cluster["C"], cluster["client"]
     prompt, suffix = tokens(11, 3 * BS + 20), tokens(12, 16)
     before = vllm_blocks(client)
-    a.complete(prompt, 2)
+    b.complete(prompt, 2)
     wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)
     loaded = r.metric("kvpool:connector_loaded_blocks_total")
     ours = r.complete(prompt + suffix, 16)["choices"][0]
