@@ -101,7 +101,8 @@ class MooncakeConnector(KVConnectorBase_V1):
             raise KVConnectorError("the mooncake connector expects one block-contiguous KV cache tensor")
         (cache,) = kv_caches.values()
         try:
-            self.worker.register_cache(SlottedCache(cache.data_ptr(), self.ctx.slot_bytes, self.ctx.header_bytes))
+            self.worker.register_cache(SlottedCache(cache.data_ptr(), self.ctx.slot_bytes, self.ctx.header_bytes),
+                                       cache.numel() * cache.element_size() // self.ctx.slot_bytes)
         except _POOL_ERRORS as err:
             raise KVConnectorError(f"the mooncake connector could not register the KV cache: {err}") from err
 

@@ -94,9 +94,12 @@ class PoolWorker:
         self._sent: dict[str, dict] = {}     # finished sends -> their transfer params (not reported yet)
         self._reported: dict[str, dict] = {}  # reported by finished_sends, params not taken yet
 
-    def register_cache(self, layout: CacheLayout) -> None:
-        """The host's KV cache: its blocks where `layout` says (loads copy into them, saves
-        copy out of them; the transfer engine never writes there)."""
+    def register_cache(self, layout: CacheLayout, num_blocks: int) -> None:
+        """The host's KV cache of `num_blocks` blocks, where `layout` says (loads copy into
+        them, saves copy out of them; the transfer engine never writes there). The pool's
+        read buffer gets a slot per cache block, so every load in flight fits."""
+        assert self.pool is not None
+        self.pool.size_read_buffer(num_blocks)
         self._layout = layout
 
     # ---- loads ----------------------------------------------------------------------

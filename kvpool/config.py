@@ -19,7 +19,7 @@ class PoolConfig:
     publish_interval_s: float = 0.005    # the publisher flushes at least this often
     evict_batch: int = 16                # LRU slots freed (and unpublished in one RPC) at a time
     read_timeout_s: float = 10.0         # a read that has not finished by then fails
-    max_read_blocks: int = 4096          # read-buffer slots at most (remote blocks in flight at once)
+    max_read_blocks: int = 65536         # read-buffer slots at most (remote blocks in flight at once)
     rpc_timeout_s: float = 5.0
     api_url: str = ""                    # the engine's API, announced with the registration (routers)
 

@@ -126,6 +126,19 @@ class NodePool:
     def node_id(self) -> NodeId:
         return NodeId(self.config.node_id)
 
+    def size_read_buffer(self, num_slots: int) -> None:
+        """At least `num_slots` read-buffer slots (a host passes its KV cache's blocks: a load
+        never reads more blocks than the cache has, so every load in flight fits). Call
+        before the first read; PoolError after one."""
+        old = self._reads.landing
+        if num_slots <= old.num_slots:
+            return
+        if not old.idle:
+            raise PoolError("the read buffer is sized before the first read")
+        new = Landing(self.te, min(num_slots, self.config.max_read_blocks), self.slot_bytes, self.stats)
+        self._reads.landing = self._reads.peers.landing = new
+        self.te.unregister(old.addr)
+
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Register caller memory (the engine's KV cache) as a read destination."""
         self.te.register(addr, nbytes)

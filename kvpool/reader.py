@@ -138,6 +138,12 @@ class Landing:
     def slot_addr(self, i: int) -> int:
         return self.addr + i * self.slot_bytes
 
+    @property
+    def idle(self) -> bool:
+        """No slot handed out, none quarantined (the buffer was never used, or all is back)."""
+        with self._lock:
+            return len(self._free) == self.num_slots
+
     def give(self, idx: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(sorted(idx, reverse=True))
@@ -157,7 +163,7 @@ class Peers:
 
     def __init__(self, te: TransferEngine, landing: Landing) -> None:
         self._te = te
-        self._landing = landing
+        self.landing = landing  # replaced once by NodePool.size_read_buffer, before any read
         self._lock = threading.Lock()
         self._known: set[str] = set()
         self._pending: dict[str, Future[None]] = {}
@@ -181,17 +187,17 @@ class Peers:
         return fut
 
     def _handshake(self, session: str, remote_addr: int, fut: Future[None]) -> None:
-        taken = self._landing.take(1)
+        taken = self.landing.take(1)
         err: TransferError | None = None
         if taken is None:
             err = TransferError("read buffer exhausted")
         else:
             try:
-                self._te.read_sync(session, [self._landing.slot_addr(taken[0])], [remote_addr], [HEADER_BYTES])
-                self._landing.give(taken)
+                self._te.read_sync(session, [self.landing.slot_addr(taken[0])], [remote_addr], [HEADER_BYTES])
+                self.landing.give(taken)
             except TransferError as e:
                 err = e
-                self._landing.quarantine(taken)  # the failed read may still land there
+                self.landing.quarantine(taken)  # the failed read may still land there
         with self._lock:
             del self._pending[session]
             if err is None:

@@ -30,7 +30,7 @@ class PoolReader:
         self.worker = PoolWorker(self.settings, namespace, block_bytes)
         slot = block_bytes + HEADER_BYTES
         self.cache = np.zeros(num_blocks * slot, dtype=np.uint8)
-        self.worker.register_cache(SlottedCache(self.cache.ctypes.data, slot, HEADER_BYTES))
+        self.worker.register_cache(SlottedCache(self.cache.ctypes.data, slot, HEADER_BYTES), num_blocks)
         self.num_blocks = num_blocks
         self.failed_loads = 0   # requests whose load had a failed block
         self._n = 0
