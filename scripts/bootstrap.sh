@@ -12,6 +12,8 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
 # a C compiler: the engine builds its CPU decode-attention kernel on first use
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+# fio: the disk tier's benchmark measures the tier beside it on the same directory
+command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 if ((${#need_apt[@]})); then
     echo "bootstrap: apt-get install ${need_apt[*]}"
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

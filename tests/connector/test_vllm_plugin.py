@@ -103,15 +103,21 @@ def vllm_blocks(client: MetaClient, vllm: bool = True) -> int:
     return sum(n.num_blocks for n in client.stats().index.namespaces if n.namespace.startswith("vllm|") == vllm)
 
 
+def node_blocks(client: MetaClient, node_id: str) -> int:
+    """Blocks the index holds for one node: unlike a sum over the index, it does not fall when
+    another node's lease expires (a node killed by an earlier test)."""
+    return sum(n for record, n in client.list_nodes() if record.node_id == node_id)
+
+
 
 
 def test_b_loads_a_prefix_from_a_pool_and_answers_like_vllm_alone(cluster: dict) -> None:
     """A and B share although B's weights are at another path and served under another name."""
     a, b, c, client = cluster["A"], cluster["B"], cluster["C"], cluster["client"]
     prompt, suffix = tokens(1, 3 * BS + 50), tokens(2, 40)  # 3 full vLLM blocks, then a partial one
-    before = vllm_blocks(client)
+    before = node_blocks(client, a.node_id)
     a.complete(prompt, 4)
-    wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)    # A saved and published them
+    wait_for(lambda: node_blocks(client, a.node_id) >= before + 3, timeout_s=30)    # A saved and published them
     hits = b.metric(HITS)
     ours = b.complete(prompt + suffix, 24)["choices"][0]
     ref = c.complete(prompt + suffix, 24)["choices"][0]
@@ -132,9 +138,9 @@ def test_engine_and_vllm_never_meet_each_others_blocks(cluster: dict) -> None:
     hits = b.metric(HITS)
     b.complete(shared, 2)                                        # vLLM: a miss, computed locally
     assert b.metric(HITS) == hits
-    before = vllm_blocks(client)
+    before = node_blocks(client, a.node_id)
     a.complete(tokens(4, 3 * BS + 10), 2)
-    wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)
+    wait_for(lambda: node_blocks(client, a.node_id) >= before + 3, timeout_s=30)
     remote = e.stats()["remote_hit_tokens"]
     e.complete(tokens(4, 3 * BS + 10) + [7] * 20, 2)              # our engine: no hit on vLLM's blocks
     assert e.stats()["remote_hit_tokens"] == remote
@@ -147,9 +153,9 @@ def test_engine_and_vllm_never_meet_each_others_blocks(cluster: dict) -> None:
 def test_source_killed_while_b_loads_recomputes_identically(cluster: dict) -> None:
     a, b, c, client = cluster["A"], cluster["B"], cluster["C"], cluster["client"]
     prompt, suffix = tokens(5, 4 * BS + 7), tokens(6, 30)
-    before = vllm_blocks(client)
+    before = node_blocks(client, a.node_id)
     a.complete(prompt, 2)
-    wait_for(lambda: vllm_blocks(client) >= before + 4, timeout_s=30)
+    wait_for(lambda: node_blocks(client, a.node_id) >= before + 4, timeout_s=30)
     hits = b.metric(HITS)
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(b.complete(prompt + suffix, 24)["choices"][0]))
@@ -171,9 +177,9 @@ def test_the_readmes_vllm_command_runs_and_shares_with_the_other_nodes(cluster: 
     no node of the same weights warns of a conflict."""
     b, r, c, client = cluster["B"], cluster["R"], cluster["C"], cluster["client"]
     prompt, suffix = tokens(11, 3 * BS + 20), tokens(12, 16)
-    before = vllm_blocks(client)
+    before = node_blocks(client, b.node_id)
     b.complete(prompt, 2)
-    wait_for(lambda: vllm_blocks(client) >= before + 3, timeout_s=30)
+    wait_for(lambda: node_blocks(client, b.node_id) >= before + 3, timeout_s=30)
     loaded = r.metric("kvpool:connector_loaded_blocks_total")
     ours = r.complete(prompt + suffix, 16)["choices"][0]
     assert ours["token_ids"] == c.complete(prompt + suffix, 16)["choices"][0]["token_ids"]
