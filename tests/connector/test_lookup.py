@@ -240,3 +240,33 @@ def test_the_run_after_the_local_hit_is_offered_whatever_the_pool_lacks_before_i
         assert matched(ps, "r3", chain, computed=20) == 12           # other runs are untouched
     finally:
         ps.close()
+
+
+def test_a_local_hit_touches_its_blocks_and_re_offers_those_the_index_lacks() -> None:
+    """Recency: the pool never sees a local hit, so the request's first step touches its
+    local-hit blocks in this node's pool and saves again those the index held nowhere (block
+    0 and 4 here), from the request's own cache blocks; once per request, never for a node
+    that does not save."""
+    client = GappedClient()
+    ps = scheduler(client)
+    ps.produce = True
+    try:
+        chain = hashes(7, 8)
+        assert matched(ps, "r", chain, computed=24) == 8            # local hit of blocks 0-5; 6-7 from "a"
+        ps.on_alloc("r", list(range(100, 108)), 8)
+        ps.build_meta()
+        ps.plan_save("r", 32, 1, list(range(100, 109)), chain)      # the first step, after the load
+        meta = ps.build_meta()
+        assert meta.touches == chain[:6]
+        assert [(s.block_ids, list(s.block_hashes)) for s in meta.saves] == [((100, 104), [chain[0], chain[4]])]
+        assert ps.counters()["connector_touched_blocks"] == 6 and ps.counters()["connector_reoffered_blocks"] == 2
+        ps.plan_save("r", 33, 1, list(range(100, 109)), chain)      # later steps: nothing again
+        meta = ps.build_meta()
+        assert meta.touches == [] and meta.saves == []
+        ps.produce = False
+        assert matched(ps, "r2", hashes(8, 8), computed=24) == 8
+        ps.plan_save("r2", 32, 1, list(range(200, 209)), hashes(8, 8))
+        meta = ps.build_meta()
+        assert meta.touches == [] and meta.saves == []
+    finally:
+        ps.close()
