@@ -169,6 +169,9 @@ class PoolScheduler:
         # request id -> (its local hit in blocks, chain blocks below it the index held nowhere),
         # from its last lookup answer; refreshed in the pool when it is first scheduled.
         self._refresh: dict[str, tuple[int, tuple[int, ...]]] = {}
+        # request id -> (the chain blocks a vLLM producer put into the pool for it, until when
+        # to wait for them to reach the index) (`connector.handoff`).
+        self._expect: dict[str, tuple[int, float]] = {}
         self._touches: list[BlockHash] = []
         self.touched_blocks = 0    # local-hit blocks touched in this node's pool (counter)
         self.reoffered_blocks = 0  # local-hit blocks saved again: the index held them nowhere (counter)
@@ -180,7 +183,18 @@ class PoolScheduler:
         end = (num_tokens - 1) // self.block_size  # its last token is always computed
         if not self.consume or end <= 0:
             return
-        if handoff.is_remote_prefill(transfer_params):
+        if handoff.is_remote_prefill(transfer_params) and handoff.names_blocks_by_count(transfer_params or {}):
+            assert transfer_params is not None
+            try:  # a vLLM producer: its blocks reach the index a moment after its answer
+                want = min(handoff.expected_blocks(transfer_params, self.fingerprint), end)
+            except ValueError as err:
+                self.handoff_bad_params += 1
+                log.warning("%s: transfer params not used (%s); looking the prompt up instead", request_id, err)
+            else:
+                if want:
+                    self.handoff_loads += 1
+                    self._expect[request_id] = (want, time.monotonic() + self.settings.handoff_wait_s)
+        elif handoff.is_remote_prefill(transfer_params):
             assert transfer_params is not None
             try:
                 locations, nodes = handoff.consumer_hit(transfer_params, self.fingerprint, block_hashes[:end])
@@ -230,6 +244,16 @@ class PoolScheduler:
         if usable < len(run):
             hit.stop = start + usable  # never offered to this request again (nor counted again)
             run = run[:usable]
+        expect = self._expect.get(request_id)
+        if expect is not None:
+            if start + len(run) < expect[0] and usable == len(hit.answer.run_from(start)[:end - start]) \
+                    and time.monotonic() < expect[1]:
+                # A vLLM producer's blocks are not all in the index yet: look again next time.
+                self._hits.pop(request_id, None)
+                self._asked.pop(request_id, None)
+                self.hit_blocks -= hit.answer.num_held
+                return None
+            del self._expect[request_id]
         hit.start, hit.offered = start, run
         held = hit.answer.held
         if self.produce and start and (held or not hit.answer.locations):  # a sparse answer (or nothing held)
@@ -316,21 +340,21 @@ class PoolScheduler:
                                         tuple(BlockHash(block_hashes[j]) for j in lacking)))
 
     def finish_request(self, request_id: str, transfer_params: dict | None, block_table: Sequence[int],
-                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> bool:
-        """The request ended. True if its blocks must stay: it asks for a remote decode, so
-        the worker half sends its full prompt blocks (into the pool, then names them) first.
-        Only computed blocks are sent (a request aborted in its prefill has blocks allocated
-        whose KV was never written)."""
+                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> int:
+        """The request ended. Nonzero (the full prompt blocks sent) if its blocks must stay:
+        it asks for a remote decode, so the worker half sends those blocks (into the pool,
+        then names them) first. Only computed blocks are sent (a request aborted in its
+        prefill has blocks allocated whose KV was never written)."""
         self.forget(request_id)
         if not self.produce or not handoff.wants_remote_decode(transfer_params):
-            return False
+            return 0
         n = min(min(num_prompt_tokens, num_computed_tokens) // self.block_size, len(block_hashes), len(block_table))
         if n == 0:
-            return False
+            return 0
         self.handoff_sends += 1
         self._sends.append(SendSpec(request_id, tuple(block_table[:n]),
                                     tuple(BlockHash(h) for h in block_hashes[:n])))
-        return True
+        return n
 
     def build_meta(self) -> PoolConnectorMetadata:
         """This step's loads, saves and sends for the worker half; starts a new step."""
@@ -347,6 +371,7 @@ class PoolScheduler:
         self._loading.pop(request_id, None)
         self._load_failed.discard(request_id)
         self._refresh.pop(request_id, None)
+        self._expect.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""
