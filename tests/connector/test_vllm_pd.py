@@ -19,6 +19,7 @@ import pytest
 from kvpool_harness.engine_node import http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
+from metaserver.client import MetaClient
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # three vLLM servers start in the first test
@@ -37,13 +38,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                                   extra_config={"save_policy": "selective"}),
                  "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="1"),
                  "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="0-1")}
+        client = MetaClient(ms.address)
         try:
             for p in procs.values():
                 p.start()
             for p in procs.values():
                 p.wait_ready(timeout_s=400)
-            yield procs
+            yield {**procs, "client": client}
         finally:
+            client.close()
             for p in procs.values():
                 p.stop()
 
@@ -104,3 +107,23 @@ def test_the_prefill_nodes_blocks_are_freed_once_in_its_pool(cluster: dict) -> N
     assert not plain.get("kv_transfer_params")
     wait_for(lambda: p.metric("kvpool:connector_sent_blocks_total") >= sent + 5, timeout_s=30)
     wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, timeout_s=30)
+
+
+def test_prefill_node_killed_before_the_decode_read_recomputes_identically(cluster: dict) -> None:
+    """P answers, then dies (SIGKILL) before D reads: D's read of P's slots fails, D computes
+    the prompt itself, answers like vLLM alone and reports the failed blocks; no request is
+    left in WAITING_FOR_REMOTE_KVS. (Last in this module: P stays dead.)"""
+    p, d, c = cluster["P"], cluster["D"], cluster["C"]
+    prompt = tokens(99, 6 * BS + 40)
+    held = lambda: sum(n for rec, n in cluster["client"].list_nodes() if rec.node_id == "vllm-p")  # noqa: E731
+    before = held()
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    first = completion(p, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}})
+    assert first["kv_transfer_params"]["kvpool_num_blocks"] == 6
+    # P's send is in its pool and the index (else D finds nothing to read and computes anyway).
+    wait_for(lambda: held() >= before + 6, timeout_s=30)
+    p.kill()
+    failed = d.metric("kvpool:connector_failed_blocks_total")
+    ours = completion(d, {**body, "kv_transfer_params": first["kv_transfer_params"]})
+    assert ours["choices"][0]["token_ids"] == completion(c, body)["choices"][0]["token_ids"]
+    wait_for(lambda: d.metric("kvpool:connector_failed_blocks_total") >= failed + 6, timeout_s=30)
