@@ -18,6 +18,7 @@ import pytest
 
 from kvpool_harness.engine_node import http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
+from kvpool_harness.router_node import RouterProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
 from metaserver.client import MetaClient
 from tests.conftest import wait_for
@@ -107,6 +108,20 @@ def test_the_prefill_nodes_blocks_are_freed_once_in_its_pool(cluster: dict) -> N
     assert not plain.get("kv_transfer_params")
     wait_for(lambda: p.metric("kvpool:connector_sent_blocks_total") >= sent + 5, timeout_s=30)
     wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, timeout_s=30)
+
+
+def test_through_kvpool_router_pd(cluster: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`kvpool router --pd` in front of the vLLM servers: the same protocol, the same answer."""
+    p, d, c = cluster["P"], cluster["D"], cluster["C"]
+    prompt = tokens(55, 4 * BS + 70)
+    body = {"model": d.served_name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    loaded = d.metric(LOADED)
+    with RouterProcess(tmp_path_factory.mktemp("router") / "router.log", [], policy="least-loaded",
+                       prefill=[p.url], decode=[d.url]) as router:
+        status, ours = http_json(f"{router.url}/v1/completions", body)
+    assert status == 200, ours
+    assert ours["choices"][0]["token_ids"] == completion(c, body)["choices"][0]["token_ids"]
+    assert d.metric(LOADED) - loaded == 4
 
 
 def test_prefill_node_killed_before_the_decode_read_recomputes_identically(cluster: dict) -> None:
