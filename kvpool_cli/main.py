@@ -69,7 +69,29 @@ def _add_or_explain(sub: argparse._SubParsersAction, names: tuple[str, ...], ext
                                    f"pip install 'kvpool[{extra}]' (from a checkout: pip install '.[cpu,{extra}]')")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands of the core distribution: when one is named, no other command's modules are
+# imported (the engine's torch and the benchmarks take seconds to import; `kvpool admin
+# drain` runs in a pod's preStop hook, and an operator's `kvpool admin stats` should answer
+# as fast as etcdctl does).
+LIGHT = ("metaserver", "admin")
+
+
+def command_word(argv: list[str]) -> str | None:
+    """The command `argv` names (its first word that is no option nor --log-level's value)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: every command (`argv` None), or only a LIGHT command when
+    `argv` names one."""
     from metaserver import admin
     from metaserver import cli as metaserver_cli
 
@@ -77,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     metaserver_cli.add_parser(sub)
     admin.add_parser(sub)
+    if argv is not None and command_word(argv) in LIGHT:
+        metaserver_cli.add_log_level(parser)
+        return parser
 
     def serve() -> None:
         from kvpool_cli import serve as serve_cli
@@ -104,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     if _MISSING:  # a command without its extra takes any arguments, and says what to install
         args, _ = parser.parse_known_args(argv)
         if getattr(args, "missing", None):
