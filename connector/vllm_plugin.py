@@ -50,6 +50,7 @@ from connector.model_identity import warn_namespace_conflicts, weights_digest
 from connector.pool_scheduler import PoolScheduler
 from connector.pool_worker import PoolWorker
 from connector.settings import PoolConnectorSettings
+from engine.kv_connector.config import KVTransferConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -171,7 +172,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
-        self._settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
+        # vLLM bounds no load; our engine's default bound caps each read here too.
+        self._settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d),
+                                                          KVTransferConfig.kv_load_timeout_s)
         self._fingerprint = layout_fingerprint(vllm_config)
         self._seed = hashlib.sha256(b"kvpool/vllm\0" + self._fingerprint.encode()).digest()
         self._block_size = vllm_config.cache_config.block_size
