@@ -127,6 +127,8 @@ PROM_COUNTERS = {
     "connector_failed_blocks": "blocks whose load failed (recomputed)",
     "connector_saved_blocks": "blocks saved into this node's pool",
     "connector_sent_blocks": "blocks handed to a remote decode node (P/D sends)",
+    "connector_loads": "loads finished (delivered or failed)",
+    "connector_load_seconds": "seconds from issue to finish of the finished loads, summed",
     "pool_bytes_read": "payload bytes read from the pool",
     "pool_remote_hit_blocks": "blocks read from other nodes' pools",
     "pool_failed_reads": "block reads that failed or did not validate",
