@@ -11,6 +11,11 @@ Invariants:
 - Every read is validated against (hash, generation, checksum); a block the source evicted
   or overwrote meanwhile is reported failed, never handed on as good.
 
+Disk tier (`kvpool.disk`, when configured): blocks evicted from DRAM are copied to the
+tier's writer before their slot is freed; a block held only on disk is read from there
+(validated) by `get` and `locate` and promoted back into DRAM. A tier that cannot start or
+fails later is off; the pool goes on with DRAM only.
+
 Threading: every public method is thread-safe; `self._lock` guards the slot tables.
 """
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.config import PoolConfig
+from kvpool.disk import DiskBlock, DiskError, DiskIdentity, DiskTier
 from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
                            view)
 from kvpool.publisher import Publisher
@@ -80,6 +86,18 @@ class NodePool:
         self.client = client
         self._publisher: Publisher | None = None
         self._session: NodeSession | None = None
+        self.disk = self._open_disk() if config.disk_enabled else None
+
+    def _open_disk(self) -> DiskTier | None:
+        cfg = self.config
+        try:
+            return DiskTier(cfg.disk_dir, cfg.disk_size_bytes,
+                            DiskIdentity(cfg.node_id, cfg.layout_fingerprint, cfg.block_bytes), self.stats,
+                            queue_blocks=cfg.disk_queue_blocks, on_written=self._disk_written,
+                            on_evicted=self._disk_evicted)
+        except DiskError as err:
+            log.error("node %s: no disk tier, DRAM only: %s", cfg.node_id, err)
+            return None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -104,6 +122,8 @@ class NodePool:
             self._session.stop(unregister=True)
             self._session = None
         self._completer.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
         self.te.close()
 
     def __enter__(self) -> NodePool:
@@ -169,12 +189,19 @@ class NodePool:
         """Where this pool holds the leading blocks of `hashes` (up to the first it does
         not hold), as records to read them by; each is marked recently used."""
         out = []
-        with self._lock:
-            for h in hashes:
+        for h in hashes:
+            with self._lock:
                 slot = self._lru.get(BlockHash(h))
-                if slot is None:
+                if slot is not None:
+                    self._lru.move_to_end(slot.block_hash)
+                    out.append(self._record(slot))
+                    continue
+            if not self._promote(BlockHash(bytes(h))):  # a disk block comes back into DRAM
+                break
+            with self._lock:
+                slot = self._lru.get(BlockHash(h))
+                if slot is None:  # evicted again at once (a tiny pool): not held
                     break
-                self._lru.move_to_end(slot.block_hash)
                 out.append(self._record(slot))
         return out
 
@@ -200,20 +227,53 @@ class NodePool:
         return victims
 
     def _retire(self, victims: list[_Slot]) -> None:
-        """Unpublish evicted slots, then free them. Called without the lock: the RPC must not
-        hold up reads and other puts (with the metaserver frozen it lasts a whole deadline)."""
+        """Unpublish evicted slots, hand them to the disk tier (which copies them), then free
+        them. Called without the lock: the RPC must not hold up reads and other puts (with the
+        metaserver frozen it lasts a whole deadline)."""
         hashes = [s.block_hash for s in victims if s.block_hash is not None]
-        if self.client is not None and hashes:
-            try:
-                self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
-            except MetaError as err:
-                # Readers still validate the generation, so a stale entry only costs a miss.
-                log.warning("node %s: unpublish of %d evicted blocks failed: %s", self.config.node_id, len(hashes), err)
+        self._unpublish(hashes, "evicted")
+        if self.disk is not None:  # after the unpublish: the disk copy's publish must come later
+            for slot in victims:
+                if slot.block_hash is not None:
+                    self.disk.offer(slot.block_hash, self._slot_addr(slot))
         with self._lock:
             for slot in victims:
                 slot.block_hash = None
                 self._free.append(slot.index)
             self.stats.evictions += len(victims)
+
+    def _unpublish(self, hashes: list[BlockHash], why: str) -> None:
+        if self.client is not None and hashes:
+            try:
+                self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
+            except MetaError as err:
+                # Readers still validate the generation, so a stale entry only costs a miss.
+                log.warning("node %s: unpublish of %d %s blocks failed: %s", self.config.node_id, len(hashes), why,
+                            err)
+
+    # ---- disk tier ------------------------------------------------------------------
+
+    def _disk_written(self, block: DiskBlock) -> None:
+        """The disk writer stored a block (or found it stored): what the node holds of it now."""
+
+    def _disk_evicted(self, hashes: list[BlockHash]) -> None:
+        """Blocks left the disk tier (reused slots, failed reads, the tier turned off)."""
+
+    def _promote(self, block_hash: BlockHash) -> bool:
+        """Read a block held only on disk back into a DRAM slot (validated); False if it is
+        not on disk or did not validate."""
+        if self.disk is None:
+            return False
+        tmp = np.empty(self.config.block_bytes, dtype=np.uint8)
+        if not self.disk.read_into(block_hash, tmp.ctypes.data):
+            return False
+        self.stats.bytes_read += tmp.nbytes
+        try:
+            self.put(block_hash, tmp.ctypes.data, tmp.nbytes)
+        except PoolError as err:  # every DRAM slot is being written: served from disk only
+            log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
+            return False
+        return True
 
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
@@ -304,13 +364,17 @@ class NodePool:
                           local_ok, [i for i in local if i not in local_ok], on_progress=on_progress)
 
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
+        """Copy this node's blocks to their destinations: from DRAM if the slot still holds the
+        located generation, else from the disk tier (validated, then promoted into DRAM)."""
         n = self.config.block_bytes
         ok = set()
+        missed = []
         with self._lock:
             for i in idx:
                 loc = locations[i]
                 slot = self._lru.get(loc.block_hash)
                 if slot is None or slot.generation != loc.generation:
+                    missed.append(i)
                     continue
                 src = self._slot_addr(slot) + HEADER_BYTES
                 for addr, offset, length in segments_of(dest_addrs[i], n):
@@ -318,6 +382,16 @@ class NodePool:
                 self._lru.move_to_end(loc.block_hash)
                 ok.add(i)
         self.stats.local_hits += len(ok)
+        if self.disk is not None:
+            # Content is named by its hash: any copy that validates is the block asked for.
+            for i in missed:
+                h = locations[i].block_hash
+                if h not in self and self.disk.read_into(h, dest_addrs[i]):
+                    ok.add(i)
+                    try:
+                        self.put(h, dest_addrs[i], n)  # promote: the next hit is a DRAM one
+                    except PoolError as err:
+                        log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
         self.stats.bytes_read += len(ok) * n
         self.stats.failed_reads += len(idx) - len(ok)
         return ok
