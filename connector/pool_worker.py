@@ -71,7 +71,8 @@ class PoolWorker:
         cfg = PoolConfig(node_id=settings.node_id, pool_size_bytes=settings.pool_size_bytes, block_bytes=block_bytes,
                          layout_fingerprint=fingerprint, metaserver=settings.metaserver, transfer=settings.transfer,
                          lease_ttl_s=settings.lease_ttl_s, read_timeout_s=settings.read_timeout_s,
-                         api_url=settings.api_url)
+                         api_url=settings.api_url, disk_dir=settings.disk_dir,
+                         disk_size_bytes=settings.disk_size_bytes)
         self._client = settings.meta_client()
         pool = None
         try:
