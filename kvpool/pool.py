@@ -14,7 +14,10 @@ Invariants:
 Disk tier (`kvpool.disk`, when configured): blocks evicted from DRAM are copied to the
 tier's writer before their slot is freed; a block held only on disk is read from there
 (validated) by `get` and `locate` and promoted back into DRAM. A tier that cannot start or
-fails later is off; the pool goes on with DRAM only.
+fails later is off; the pool goes on with DRAM only. The index learns of each block once,
+with its medium: a block in DRAM is published as DRAM (also when a disk copy exists); one
+that left DRAM for the disk as DISK, and unpublished when it leaves the disk. A pool
+started on a disk directory it used before publishes the valid blocks found there.
 
 Threading: every public method is thread-safe; `self._lock` guards the slot tables.
 """
@@ -40,7 +43,7 @@ from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
-from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Medium, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +179,26 @@ class NodePool:
         return BlockRecord(slot.block_hash, slot.index * self.slot_bytes, HEADER_BYTES + self.config.block_bytes,
                            slot.generation)
 
+    def _disk_record(self, block: DiskBlock) -> BlockRecord:
+        return BlockRecord(block.block_hash, block.offset, HEADER_BYTES + self.config.block_bytes, block.generation,
+                           Medium.DISK)
+
+    def _in_dram(self, block_hash: BlockHash) -> bool:
+        """Under the lock: held in DRAM or being copied in (then published as DRAM)."""
+        return block_hash in self._lru or block_hash in self._writing
+
     def _holdings(self) -> list[BlockRecord]:
+        on_disk = self.disk.blocks() if self.disk is not None else []
         with self._lock:
-            return [self._record(s) for s in self._lru.values()]
+            return ([self._record(s) for s in self._lru.values()]
+                    + [self._disk_record(b) for b in on_disk if not self._in_dram(b.block_hash)])
 
     def _is_current(self, rec: BlockRecord) -> bool:
+        if rec.medium == Medium.DISK:
+            if self.disk is None or not self.disk.holds(rec.block_hash, rec.generation):
+                return False
+            with self._lock:
+                return not self._in_dram(rec.block_hash)
         with self._lock:
             slot = self._lru.get(rec.block_hash)
             return slot is not None and slot.generation == rec.generation
@@ -254,10 +272,17 @@ class NodePool:
     # ---- disk tier ------------------------------------------------------------------
 
     def _disk_written(self, block: DiskBlock) -> None:
-        """The disk writer stored a block (or found it stored): what the node holds of it now."""
+        """The disk writer stored a block (or found it stored) after it left DRAM: publish the
+        disk copy (the publisher drops it if the block is back in DRAM by then)."""
+        if self._publisher is not None:
+            self._publisher.enqueue(self._disk_record(block))
 
     def _disk_evicted(self, hashes: list[BlockHash]) -> None:
-        """Blocks left the disk tier (reused slots, failed reads, the tier turned off)."""
+        """Blocks left the disk tier (reused slots, failed reads, the tier turned off):
+        unpublish those the node does not hold in DRAM either, before the disk slot is reused."""
+        with self._lock:
+            gone = [h for h in hashes if not self._in_dram(h)]
+        self._unpublish(gone, "disk-evicted")
 
     def _promote(self, block_hash: BlockHash) -> bool:
         """Read a block held only on disk back into a DRAM slot (validated); False if it is
@@ -345,10 +370,13 @@ class NodePool:
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
         local: list[int] = []
         remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
+        unreadable: list[int] = []  # another node's disk blocks: not in registered memory
         for i, loc in enumerate(locations):
             node_id = loc.node_id
             if node_id == me:
                 local.append(i)
+            elif loc.medium != Medium.DRAM:
+                unreadable.append(i)
             elif node_id in nodes:
                 on_node = remote.get(node_id)
                 if on_node is None:
@@ -360,8 +388,9 @@ class NodePool:
             if loc.size_bytes != slot_bytes:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
         local_ok = self._read_local(locations, dest_addrs, local) if local else set()
+        self.stats.failed_reads += len(unreadable)
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
-                          local_ok, [i for i in local if i not in local_ok], on_progress=on_progress)
+                          local_ok, [i for i in local if i not in local_ok] + unreadable, on_progress=on_progress)
 
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
         """Copy this node's blocks to their destinations: from DRAM if the slot still holds the

@@ -29,7 +29,7 @@ from metaserver.auth import SESSION_KEY
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
 from metaserver.store import node_from_pb, record_to_pb
-from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Medium, Namespace, NamespaceStats,
                               NodeRecord, QueryResult)
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse, sparse:
     answer that knows nothing past the first gap."""
     nodes = [node_from_pb(n) for n in resp.nodes]
     index = resp.chain_index or range(len(resp.node_index))
-    located = [BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
-               for i, k, off, size, gen in zip(index, resp.node_index, resp.offsets, resp.sizes_bytes,
-                                               resp.generations, strict=True)]
+    media = resp.media or [0] * len(resp.node_index)  # empty: all DRAM
+    located = [BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen, Medium(m))
+               for i, k, off, size, gen, m in zip(index, resp.node_index, resp.offsets, resp.sizes_bytes,
+                                                  resp.generations, media, strict=True)]
     by_node = {n.node_id: n for n in nodes}
     if not sparse or not located:
         return QueryResult(tuple(located), by_node)
@@ -241,7 +242,8 @@ class MetaClient:
 
     def stats(self) -> ServerStats:
         r = self._rpc("Stats", pb.StatsRequest())
-        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies) for n in r.namespaces)
+        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies, n.num_disk_copies)
+                   for n in r.namespaces)
         return ServerStats(IndexStats(r.num_nodes, r.num_blocks, r.num_copies, ns), r.queries, r.query_blocks,
                            r.query_hit_blocks, r.published_blocks, r.etcd_healthy, r.pending_writes, r.replica_id)
 

@@ -35,7 +35,7 @@ from metaserver.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoun
 from metaserver.feed import IndexFeed
 from metaserver.index import BlockIndex
 from metaserver.store import Change, DurableStore, Snapshot
-from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NodeId, NodeRecord,
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Medium, Namespace, NodeId, NodeRecord,
                               QueryResult)
 
 log = logging.getLogger(__name__)
@@ -341,7 +341,9 @@ class MetaService:
             raise FailedPrecondition(f"node {node_id!r} is draining; it cannot publish")
         self._check_hashes([r.block_hash for r in records], self.config.max_publish_batch, "publish")
         for i, r in enumerate(records):
-            if r.size_bytes <= 0 or r.offset < 0 or r.offset + r.size_bytes > node.capacity_bytes:
+            # A DISK copy's offset is in the node's disk tier, which only the node reads.
+            limit = node.capacity_bytes if r.medium == Medium.DRAM else 1 << 62
+            if r.size_bytes <= 0 or r.offset < 0 or r.offset + r.size_bytes > limit:
                 raise InvalidArgument(
                     f"publish: block #{i} (offset {r.offset}, size {r.size_bytes}) is outside the node's "
                     f"{node.capacity_bytes}-byte pool")
