@@ -387,14 +387,21 @@ class NodePool:
                 raise PoolError(f"block #{i} is on unknown node {node_id!r}")
             if loc.size_bytes != slot_bytes:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
-        local_ok = self._read_local(locations, dest_addrs, local) if local else set()
+        local_ok, missed = self._read_local(locations, dest_addrs, local) if local else (set(), [])
+        deferred = None
+        if missed and self.disk is not None:  # read on a pool thread: the caller may be the engine loop
+            deferred = self._completer.submit(self._read_disk, locations, dest_addrs, missed)
+        else:
+            unreadable += missed
         self.stats.failed_reads += len(unreadable)
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
-                          local_ok, [i for i in local if i not in local_ok] + unreadable, on_progress=on_progress)
+                          local_ok, unreadable, on_progress=on_progress, deferred=deferred,
+                          deferred_idx=missed if deferred is not None else ())
 
-    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
-        """Copy this node's blocks to their destinations: from DRAM if the slot still holds the
-        located generation, else from the disk tier (validated, then promoted into DRAM)."""
+    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
+                    idx: list[int]) -> tuple[set[int], list[int]]:
+        """Copy this node's blocks whose DRAM slot still holds the located generation to their
+        destinations; returns those indices and the others (for the disk tier, `_read_disk`)."""
         n = self.config.block_bytes
         ok = set()
         missed = []
@@ -411,16 +418,23 @@ class NodePool:
                 self._lru.move_to_end(loc.block_hash)
                 ok.add(i)
         self.stats.local_hits += len(ok)
-        if self.disk is not None:
+        self.stats.bytes_read += len(ok) * n
+        return ok, missed
+
+    def _read_disk(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
+        """Read this node's blocks from its disk tier into their destinations (validated) and
+        promote them into DRAM; returns the indices delivered. Runs on a pool thread."""
+        assert self.disk is not None
+        n, ok = self.config.block_bytes, set()
+        for i in idx:
             # Content is named by its hash: any copy that validates is the block asked for.
-            for i in missed:
-                h = locations[i].block_hash
-                if h not in self and self.disk.read_into(h, dest_addrs[i]):
-                    ok.add(i)
-                    try:
-                        self.put(h, dest_addrs[i], n)  # promote: the next hit is a DRAM one
-                    except PoolError as err:
-                        log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
+            h = locations[i].block_hash
+            if self.disk.read_into(h, dest_addrs[i]):
+                ok.add(i)
+                try:
+                    self.put(h, dest_addrs[i], n)  # promote: the next hit is a DRAM one
+                except PoolError as err:
+                    log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
         self.stats.bytes_read += len(ok) * n
         self.stats.failed_reads += len(idx) - len(ok)
         return ok

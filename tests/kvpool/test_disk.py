@@ -231,3 +231,29 @@ def test_the_tier_alone_keeps_only_complete_slots(tmp_path: Path) -> None:
         assert np.array_equal(dest, block_content(hashes[2], BB))
     finally:
         again.close()
+
+
+def test_a_disk_read_runs_off_the_callers_thread_and_wakes_it(pool: NodePool) -> None:
+    """The engine loop polls `done()`: the disk read runs on a pool thread and calls
+    `on_progress` when it ends; DRAM blocks of the same read are copied at once."""
+    hashes = put_chain(pool, 8)
+    dram = pool.locate(hashes[-1:])[0]
+    locs = [BlockLocation(BlockHash(hashes[0]), NodeId("A"), 0, HEADER_BYTES + BB, 0),
+            BlockLocation(dram.block_hash, NodeId("A"), dram.offset, dram.size_bytes, dram.generation),
+            BlockLocation(BlockHash(block_hash("never", 0)), NodeId("A"), 0, HEADER_BYTES + BB, 0)]
+    dest = np.zeros(3 * BB, dtype=np.uint8)
+    woken = threading.Event()
+    readers: list[str] = []
+    read = pool.disk.read_into  # type: ignore[union-attr]
+
+    def spy(h, d):
+        readers.append(threading.current_thread().name)
+        return read(h, d)
+
+    pool.disk.read_into = spy  # type: ignore[union-attr,method-assign]
+    handle = pool.get(locs, {}, [dest.ctypes.data + i * BB for i in range(3)], on_progress=woken.set)
+    assert woken.wait(30) and handle.done()
+    assert handle.result is not None and handle.result.ok == (0, 1) and handle.result.failed == (2,)
+    assert readers and threading.current_thread().name not in readers
+    assert np.array_equal(dest[:BB], block_content(hashes[0], BB))
+    assert np.array_equal(dest[BB:2 * BB], block_content(hashes[-1], BB))
