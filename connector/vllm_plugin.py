@@ -136,6 +136,7 @@ PROM_COUNTERS = {
     "pool_disk_evictions": "disk tier slots reused by LRU eviction",
     "pool_disk_errors": "disk tier I/O errors (each turns the tier off)",
     "pool_disk_dropped_writes": "evicted blocks not written to disk (the writer's queue was full)",
+    "pool_disk_staged": "disk tier blocks promoted into DRAM for other nodes' reads",
 }
 
 

@@ -18,6 +18,8 @@ fails later is off; the pool goes on with DRAM only. The index learns of each bl
 with its medium: a block in DRAM is published as DRAM (also when a disk copy exists); one
 that left DRAM for the disk as DISK, and unpublished when it leaves the disk. A pool
 started on a disk directory it used before publishes the valid blocks found there.
+Another node's DISK copy is never read one-sidedly: its holder stages it into DRAM on
+request first (`kvpool.stage`; the pool serves those requests when it has a disk tier).
 
 Threading: every public method is thread-safe; `self._lock` guards the slot tables.
 """
@@ -39,6 +41,7 @@ from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, m
                            view)
 from kvpool.publisher import Publisher
 from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
+from kvpool.stage import StageError, StageServer, stage
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
@@ -79,6 +82,10 @@ class NodePool:
                           self.slot_bytes, self.stats)
         # Threads that wait (GIL released) for transfer batches to complete.
         self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
+        # Threads for reads that wait on a disk or a stage request (kept off the completer,
+        # whose threads such a read may itself wait on).
+        self._slow_reads = ThreadPoolExecutor(2, thread_name_prefix=f"disk-read-{config.node_id}")
+        self._stager: StageServer | None = None
         self._lock = threading.Lock()
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -108,9 +115,12 @@ class NodePool:
         """Register with the metaserver and start publishing (no-op without a client)."""
         if self.client is None:
             return
+        if self.disk is not None:
+            self._stager = StageServer(self._stage, io_timeout_s=self.config.read_timeout_s)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
-                                    self.config.lease_ttl_s, api_url=self.config.api_url)
+                                    self.config.lease_ttl_s, api_url=self.config.api_url,
+                                    stage_address=self._stager.address if self._stager is not None else "")
         self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
                                     on_failure=self._session.resync)
         self._session.start()
@@ -118,12 +128,16 @@ class NodePool:
 
     def close(self) -> None:
         """Unregister from the metaserver, unregister all memory. Idempotent."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None
         if self._session is not None:
             self._session.stop(unregister=True)
             self._session = None
+        self._slow_reads.shutdown(wait=True)
         self._completer.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
@@ -300,6 +314,23 @@ class NodePool:
             return False
         return True
 
+    def _stage(self, hashes: list[bytes]) -> list[tuple[int, int] | None]:
+        """A reader's stage request (kvpool.stage, on a server thread): bring each block into
+        DRAM (from the disk tier if need be) and say where it is now."""
+        out: list[tuple[int, int] | None] = []
+        for raw in hashes:
+            h = BlockHash(raw)
+            with self._lock:
+                slot = self._lru.get(h)
+                rec = self._record(slot) if slot is not None else None
+            if rec is None and self._promote(h):
+                self.stats.disk_staged += 1
+                with self._lock:
+                    slot = self._lru.get(h)
+                    rec = self._record(slot) if slot is not None else None
+            out.append(None if rec is None else (rec.offset, rec.generation))
+        return out
+
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
         and queue its publication.
@@ -370,13 +401,17 @@ class NodePool:
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
         local: list[int] = []
         remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
-        unreadable: list[int] = []  # another node's disk blocks: not in registered memory
+        unreadable: list[int] = []  # another node's disk blocks it does not stage
+        staged: dict[NodeId, list[int]] = {}  # another node's disk blocks it stages first
         for i, loc in enumerate(locations):
             node_id = loc.node_id
             if node_id == me:
                 local.append(i)
             elif loc.medium != Medium.DRAM:
-                unreadable.append(i)
+                if node_id in nodes and nodes[node_id].stage_address:
+                    staged.setdefault(node_id, []).append(i)
+                else:
+                    unreadable.append(i)
             elif node_id in nodes:
                 on_node = remote.get(node_id)
                 if on_node is None:
@@ -388,15 +423,47 @@ class NodePool:
             if loc.size_bytes != slot_bytes:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
         local_ok, missed = self._read_local(locations, dest_addrs, local) if local else (set(), [])
-        deferred = None
-        if missed and self.disk is not None:  # read on a pool thread: the caller may be the engine loop
-            deferred = self._completer.submit(self._read_disk, locations, dest_addrs, missed)
-        else:
+        if self.disk is None:
             unreadable += missed
+            missed = []
+        deferred, deferred_idx = None, missed + [i for idx in staged.values() for i in idx]
+        if deferred_idx:  # on a pool thread: the caller may be the engine loop
+            deferred = self._slow_reads.submit(self._read_deferred, locations, dest_addrs, missed,
+                                               [(nodes[k], idx) for k, idx in staged.items()])
         self.stats.failed_reads += len(unreadable)
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
                           local_ok, unreadable, on_progress=on_progress, deferred=deferred,
-                          deferred_idx=missed if deferred is not None else ())
+                          deferred_idx=deferred_idx)
+
+    def _read_deferred(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], missed: list[int],
+                       staged: list[tuple[NodeRecord, list[int]]]) -> set[int]:
+        ok = self._read_disk(locations, dest_addrs, missed) if missed else set()
+        for node, idx in staged:
+            ok |= self._read_staged(node, locations, dest_addrs, idx)
+        return ok
+
+    def _read_staged(self, node: NodeRecord, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
+                     idx: list[int]) -> set[int]:
+        """Have `node` stage its disk blocks `idx` into DRAM, then read them from there
+        (validated against its answer, as any remote read); returns the indices delivered."""
+        n = self.config.block_bytes
+        try:
+            answers = stage(node.stage_address, [locations[i].block_hash for i in idx],
+                            self.config.read_timeout_s / 2)
+        except StageError as err:
+            log.warning("node %s: %d disk blocks of %s not staged: %s", self.config.node_id, len(idx), node.node_id,
+                        err)
+            self.stats.failed_reads += len(idx)
+            return set()
+        got = [(i, a) for i, a in zip(idx, answers) if a is not None]
+        self.stats.failed_reads += len(idx) - len(got)
+        if not got:
+            return set()
+        locs = [BlockLocation(locations[i].block_hash, node.node_id, offset, HEADER_BYTES + n, generation)
+                for i, (offset, generation) in got]
+        res = ReadHandle(self._reads, locs, [dest_addrs[i] for i, _ in got], n,
+                         [(node, list(range(len(got))))]).wait()
+        return {got[j][0] for j in res.ok}
 
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
                     idx: list[int]) -> tuple[set[int], list[int]]:

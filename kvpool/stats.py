@@ -24,3 +24,4 @@ class PoolStats:
     disk_evictions: int = 0     # disk slots reused by LRU
     disk_errors: int = 0        # I/O errors (each turns the tier off)
     disk_dropped_writes: int = 0  # evicted blocks not written: the writer's queue was full
+    disk_staged: int = 0        # disk blocks promoted into DRAM for other nodes' reads (kvpool.stage)

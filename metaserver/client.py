@@ -145,14 +145,15 @@ class MetaClient:
     # ---- node lifecycle -------------------------------------------------------------
 
     def register_node(self, node_id: str, session_address: str, buffer_address: int, capacity_bytes: int,
-                      layout_fingerprint: str, lease_ttl_s: int = 0, api_url: str = "") -> Registration:
+                      layout_fingerprint: str, lease_ttl_s: int = 0, api_url: str = "",
+                      stage_address: str = "") -> Registration:
         """Register (or replace this client's registration of) `node_id`; its new session
         token is kept for the node's later calls. `api_url`: the node's engine API, announced
         to routers (`kvpool router --discover`)."""
         resp = self._rpc("RegisterNode", pb.RegisterNodeRequest(
             node_id=node_id, session_address=session_address, buffer_address=buffer_address,
             capacity_bytes=capacity_bytes, layout_fingerprint=layout_fingerprint, lease_ttl_s=lease_ttl_s,
-            api_url=api_url),
+            api_url=api_url, stage_address=stage_address),
             node_id=node_id)
         with self._lock:
             self._sessions[node_id] = resp.session_token
@@ -265,11 +266,12 @@ class NodeSession:
 
     def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
                  capacity_bytes: int, layout_fingerprint: str, holdings: Callable[[], Sequence[BlockRecord]],
-                 lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "") -> None:
+                 lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "",
+                 stage_address: str = "") -> None:
         self.client = client
         self.node_id = node_id
         self._args = (node_id, session_address, buffer_address, capacity_bytes, layout_fingerprint, lease_ttl_s,
-                      api_url)
+                      api_url, stage_address)
         self._holdings = holdings
         self._publish_batch = publish_batch
         self.registration: Registration | None = None

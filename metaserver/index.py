@@ -156,8 +156,9 @@ class BlockIndex:
         `sparse`, also every other block of `chain` present (`QueryResult.held`).
 
         A block is served from the requester's own copy when it has one (in DRAM or on its
-        disk); otherwise from the DRAM holder that has been handed out least so far (another
-        node's DISK copy is never offered: it is not in registered memory) (ties: the previous block's source, so
+        disk); otherwise from the DRAM holder that has been handed out least so far; failing
+        that, from a holder of a DISK copy that stages (the reader asks it to promote the
+        block into DRAM first: not in registered memory, a disk copy is never read one-sidedly) (ties: the previous block's source, so
         chains stay on one node and batch well). Suspect nodes (`mark_suspect`) are not
         offered: a block held only by them ends the match, as a missing block does (sparse:
         it is a gap). Side effect: the chosen sources' load counters grow (sparse: for every
@@ -196,15 +197,17 @@ class BlockIndex:
                     continue
             if len(holders) == 1:  # the common case, kept short
                 ((chosen, loc),) = holders.items()
-                if loc.medium and chosen != requester:  # another node's disk: not readable one-sidedly
-                    if not sparse:
+                if loc.medium and chosen != requester and not self.nodes[chosen].stage_address:
+                    if not sparse:  # another node's disk, which it does not stage: unreadable
                         break
                     append(None)
                     continue
             elif requester in holders:
                 chosen, loc = requester, holders[requester]  # type: ignore[index]
             else:
-                sources = [n for n, c in holders.items() if not c.medium]  # DRAM copies only
+                # DRAM copies, else DISK copies whose holder stages them (kvpool.stage).
+                sources = ([n for n, c in holders.items() if not c.medium]
+                           or [n for n in holders if self.nodes[n].stage_address])
                 if not sources:
                     if not sparse:
                         break

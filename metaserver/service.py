@@ -239,7 +239,8 @@ class MetaService:
 
     async def register_node(self, node_id: str, session_address: str, buffer_address: int,
                             capacity_bytes: int, namespace: str, lease_ttl_s: int,
-                            proof: str | None = None, api_url: str = "") -> tuple[NodeRecord, str]:
+                            proof: str | None = None, api_url: str = "",
+                            stage_address: str = "") -> tuple[NodeRecord, str]:
         """(Re-)register a node under a new lease; returns it and its new session token.
         `api_url` ("" or http(s)://HOST:PORT) is where its engine serves, for routers.
 
@@ -255,6 +256,8 @@ class MetaService:
             raise InvalidArgument("layout_fingerprint is required (at most 256 characters)")
         if api_url and (len(api_url) > _MAX_ID_LEN or not _API_URL.fullmatch(api_url)):
             raise InvalidArgument(f"api_url must be empty or http(s)://HOST:PORT, got {_show(api_url)}")
+        if stage_address and (len(stage_address) > _MAX_ID_LEN or ":" not in stage_address):
+            raise InvalidArgument(f"stage_address must be empty or HOST:PORT, got {_show(stage_address)}")
         ttl = lease_ttl_s or self.config.default_lease_ttl_s
         if not 1 <= ttl <= self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
@@ -273,7 +276,7 @@ class MetaService:
                 await self.store.etcd.lease_revoke(old.lease_id)
             node = NodeRecord(NodeId(node_id), session_address, buffer_address, capacity_bytes,
                               Namespace(namespace), lease_id, granted, api_url=api_url,
-                              session_digest=session_digest(token))
+                              session_digest=session_digest(token), stage_address=stage_address)
             await self.store.write_node(node)
         except EtcdError as err:
             if isinstance(err, EtcdUnavailable):

@@ -140,7 +140,8 @@ class MetaServicer:
                      caller: Caller) -> pb.RegisterNodeResponse:
         node, session_token = _call(context, lambda: self._on_loop(self.service.register_node(
             request.node_id, request.session_address, request.buffer_address, request.capacity_bytes,
-            request.layout_fingerprint, request.lease_ttl_s, caller.node_session, request.api_url)))
+            request.layout_fingerprint, request.lease_ttl_s, caller.node_session, request.api_url,
+            request.stage_address)))
         return pb.RegisterNodeResponse(lease_id=node.lease_id, lease_ttl_s=node.lease_ttl_s,
                                        session_token=session_token)
 

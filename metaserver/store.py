@@ -76,6 +76,7 @@ def node_to_pb(node: NodeRecord, *, stored: bool = False) -> pb.NodeInfo:
                        buffer_address=node.buffer_address, capacity_bytes=node.capacity_bytes,
                        layout_fingerprint=node.namespace, lease_id=node.lease_id,
                        lease_ttl_s=node.lease_ttl_s, draining=node.draining, api_url=node.api_url,
+                       stage_address=node.stage_address,
                        session_digest=node.session_digest if stored else b"")
 
 
@@ -92,7 +93,7 @@ def record_from_pb(msg: pb.BlockRecord) -> BlockRecord:
 def node_from_pb(msg: pb.NodeInfo) -> NodeRecord:
     return NodeRecord(NodeId(msg.node_id), msg.session_address, msg.buffer_address, msg.capacity_bytes,
                       Namespace(msg.layout_fingerprint), msg.lease_id, msg.lease_ttl_s, msg.draining,
-                      msg.api_url, msg.session_digest)
+                      msg.api_url, msg.session_digest, msg.stage_address)
 
 
 class KeyCodec:

@@ -26,6 +26,7 @@ class NodeRecord:
     # SHA-256 of the registration's session token (metaserver.auth); b"" when unknown
     # (records that came over RPC never carry it).
     session_digest: bytes = field(default=b"", repr=False)
+    stage_address: str = ""   # HOST:PORT of its stage service (kvpool.stage); "" = none
 
 
 class Medium(IntEnum):
@@ -54,7 +55,7 @@ class BlockLocation:
     offset: int
     size_bytes: int
     generation: int
-    medium: Medium = Medium.DRAM  # DISK copies are offered to their holder only
+    medium: Medium = Medium.DRAM  # DISK: read by its holder; others have it staged first
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,7 @@ ENGINE_STATS: dict[str, Stat] = {
     "pool_disk_evictions": _counter("Disk tier slots reused by LRU eviction"),
     "pool_disk_errors": _counter("Disk tier I/O errors (each turns the tier off)"),
     "pool_disk_dropped_writes": _counter("Evicted blocks not written to disk: the writer's queue was full"),
+    "pool_disk_staged": _counter("Disk tier blocks promoted into DRAM for other nodes' reads"),
 }
 
 # `engine.server.memory.memory_stats()`: levels, exposed as `kvpool:process_<key>`.

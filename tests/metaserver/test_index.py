@@ -165,8 +165,9 @@ def test_a_prefix_answer_stands_for_a_sparse_one_that_knows_nothing_past_the_gap
 
 
 def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
-    """Another node's DISK block is not in registered memory: never offered one-sidedly. Its
-    holder gets it (it reads its own disk), and a DRAM copy elsewhere is offered instead."""
+    """Another node's DISK block is not in registered memory: not offered to other nodes
+    unless its holder stages it (then after any DRAM copy). Its holder gets it (it reads its
+    own disk), and a DRAM copy elsewhere is offered instead."""
     idx = BlockIndex()
     for n in "ab":
         idx.upsert_node(node(n))
@@ -191,3 +192,12 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
     assert change is not None and change.block == rec
     stats = idx.stats().namespaces[0]
     assert stats.num_copies == 4 and stats.num_disk_copies == 2
+
+    # A holder that stages (kvpool.stage) is offered for its disk copies, after any DRAM copy.
+    from dataclasses import replace
+
+    idx.upsert_node(replace(idx.nodes[NodeId("a")], stage_address="127.0.0.1:9"))
+    theirs = idx.query(NS, chain, requester=NodeId("b"))
+    assert [(loc.node_id, loc.medium) for loc in theirs.locations] == [("a", Medium.DRAM), ("a", Medium.DISK),
+                                                                       ("b", Medium.DRAM)]
+    assert _query_result(chain, query_response(theirs), sparse=False).nodes["a"].stage_address == "127.0.0.1:9"

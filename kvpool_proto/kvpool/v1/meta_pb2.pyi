@@ -15,7 +15,7 @@ DRAM: Medium
 DISK: Medium
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest", "api_url")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest", "api_url", "stage_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class NodeInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     API_URL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -38,7 +39,8 @@ class NodeInfo(_message.Message):
     num_blocks: int
     session_digest: bytes
     api_url: str
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ..., api_url: _Optional[str] = ...) -> None: ...
+    stage_address: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ..., api_url: _Optional[str] = ..., stage_address: _Optional[str] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
     __slots__ = ("block_hash", "offset", "size_bytes", "generation", "medium")
@@ -55,7 +57,7 @@ class BlockRecord(_message.Message):
     def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s", "api_url")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s", "api_url", "stage_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +65,7 @@ class RegisterNodeRequest(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     API_URL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -70,7 +73,8 @@ class RegisterNodeRequest(_message.Message):
     layout_fingerprint: str
     lease_ttl_s: int
     api_url: str
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ..., api_url: _Optional[str] = ...) -> None: ...
+    stage_address: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ..., api_url: _Optional[str] = ..., stage_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("lease_id", "lease_ttl_s", "session_token")
