@@ -116,14 +116,19 @@ class _Buffers:
         self._base = view_addr(self._mem)
         self._free = list(range(num))
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
 
-    def take(self) -> int | None:
+    def take(self, wait_s: float = 0.0) -> int | None:
+        """A free buffer, waiting up to `wait_s` for one; None if none came."""
         with self._lock:
+            if wait_s > 0:
+                self._freed.wait_for(lambda: bool(self._free), wait_s)
             return self._free.pop() if self._free else None
 
     def give(self, i: int) -> None:
         with self._lock:
             self._free.append(i)
+            self._freed.notify()
 
     def addr(self, i: int) -> int:
         return self._base + i * self.slot_bytes
@@ -294,11 +299,12 @@ class DiskTier:
 
     # ---- writes ---------------------------------------------------------------------
 
-    def offer(self, block_hash: bytes, slot_addr: int) -> bool:
+    def offer(self, block_hash: bytes, slot_addr: int, wait_s: float = 0.0) -> bool:
         """Queue the DRAM slot at `slot_addr` (header + payload of `block_hash`) for a disk
         write. Copies its payload before it returns (the caller may then reuse the slot) and
-        never blocks on the disk: with no staging buffer free the block is dropped (counted).
-        A block already on disk is only marked recently used. Returns True if queued."""
+        does not block on the disk (unless `wait_s`, for a free staging buffer: shutdown's
+        save): with no staging buffer free the block is dropped (counted). A block already on
+        disk is only marked recently used. Returns True if queued."""
         h = BlockHash(bytes(block_hash))
         header = SlotHeader.unpack(view(slot_addr, HEADER_BYTES))
         if header.magic != MAGIC or header.block_hash != h or header.payload_bytes != self.block_bytes:
@@ -315,7 +321,7 @@ class DiskTier:
         if on_disk is not None:
             self._on_written(on_disk)  # evicted from DRAM again: the disk copy is what the node holds
             return False
-        buf = self._staging.take()
+        buf = self._staging.take(wait_s)
         if buf is None:
             with self._lock:
                 self._stats.disk_dropped_writes += 1

@@ -140,6 +140,8 @@ class NodePool:
         self._slow_reads.shutdown(wait=True)
         self._completer.shutdown(wait=True)
         if self.disk is not None:
+            if self.config.disk_save_on_close:
+                self._save_to_disk()
             self.disk.close()
         self.te.close()
 
@@ -284,6 +286,21 @@ class NodePool:
                             err)
 
     # ---- disk tier ------------------------------------------------------------------
+
+    def _save_to_disk(self) -> None:
+        """At close: write the blocks still in DRAM to the disk tier (oldest first, so the
+        disk's LRU order follows DRAM's), so a restart on this directory finds them too. Only
+        blocks leaving DRAM go to disk while the pool runs (write-on-evict, kvpool.disk)."""
+        assert self.disk is not None
+        with self._lock:
+            held = [(s.block_hash, self._slot_addr(s)) for s in self._lru.values() if s.block_hash is not None]
+        for h, addr in held:  # nothing reuses the slots now: the pool is closing
+            if not self.disk.enabled:
+                break
+            self.disk.offer(h, addr, wait_s=10.0)
+        self.disk.flush(60.0)
+        log.info("node %s: %d DRAM blocks saved to the disk tier at close (%d there now)", self.config.node_id,
+                 len(held), len(self.disk))
 
     def _disk_written(self, block: DiskBlock) -> None:
         """The disk writer stored a block (or found it stored) after it left DRAM: publish the

@@ -257,3 +257,30 @@ def test_a_disk_read_runs_off_the_callers_thread_and_wakes_it(pool: NodePool) ->
     assert readers and threading.current_thread().name not in readers
     assert np.array_equal(dest[:BB], block_content(hashes[0], BB))
     assert np.array_equal(dest[BB:2 * BB], block_content(hashes[-1], BB))
+
+
+def test_a_closed_pool_saves_its_dram_blocks_and_a_new_one_finds_them(tmp_path: Path) -> None:
+    p = make_pool(tmp_path / "disk")
+    hashes = put_chain(p, 10)
+    p.close()
+    again = make_pool(tmp_path / "disk")
+    try:
+        assert again.disk is not None and [b.block_hash for b in again.disk.blocks()] == hashes  # LRU order kept
+        assert len(again) == 0 and again.stats.disk_blocks == 10
+        ok, dest = read_local(again, [hashes[0], hashes[-1]])
+        assert ok == (0, 1) and np.array_equal(dest[BB:], block_content(hashes[-1], BB))
+    finally:
+        again.close()
+    off = make_pool(tmp_path / "disk2", disk_save_on_close=False)
+    put_chain(off, 10)
+    off.close()
+    assert len(make_pool_disk_blocks(tmp_path / "disk2")) == 10 - DRAM_BLOCKS
+
+
+def make_pool_disk_blocks(d: Path) -> list[bytes]:
+    p = make_pool(d, disk_save_on_close=False)
+    try:
+        assert p.disk is not None
+        return [b.block_hash for b in p.disk.blocks()]
+    finally:
+        p.close()
