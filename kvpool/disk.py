@@ -287,7 +287,7 @@ class DiskTier:
             return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
 
     def close(self) -> None:
-        """Stop the writer (offers still queued are dropped) and close the file. Idempotent."""
+        """Stop the writer (after the offers queued so far) and close the file. Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(30)

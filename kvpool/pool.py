@@ -41,6 +41,7 @@ from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, m
                            view)
 from kvpool.publisher import Publisher
 from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
+from kvpool.stage import MAX_BLOCKS as STAGE_MAX_BLOCKS
 from kvpool.stage import StageError, StageServer, stage
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine
@@ -408,6 +409,11 @@ class NodePool:
         thread) whenever a transfer batch of the read finishes, so a caller can wait on an
         event instead of polling; `done()` then settles the read. Raises PoolError for bad
         arguments; read failures are reported by the handle as failed block indices.
+
+        Blocks this node holds only on its disk tier, and other nodes' DISK blocks (which
+        their holder stages into DRAM first, `kvpool.stage`), are read on a pool thread; the
+        handle reports them when that read has returned (another node's DISK block whose
+        holder does not stage is reported failed at once).
         """
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
@@ -464,9 +470,11 @@ class NodePool:
         """Have `node` stage its disk blocks `idx` into DRAM, then read them from there
         (validated against its answer, as any remote read); returns the indices delivered."""
         n = self.config.block_bytes
+        answers: list[tuple[int, int] | None] = []
         try:
-            answers = stage(node.stage_address, [locations[i].block_hash for i in idx],
-                            self.config.read_timeout_s / 2)
+            for k in range(0, len(idx), STAGE_MAX_BLOCKS):
+                answers += stage(node.stage_address, [locations[i].block_hash for i in idx[k:k + STAGE_MAX_BLOCKS]],
+                                 self.config.read_timeout_s / 2)
         except StageError as err:
             log.warning("node %s: %d disk blocks of %s not staged: %s", self.config.node_id, len(idx), node.node_id,
                         err)

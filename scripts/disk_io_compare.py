@@ -6,6 +6,8 @@ Random slot writes and reads of one block each, in a preallocated file, as the t
 them: buffered pwrite/pread (page cache; writes made durable with one fdatasync at the end,
 reads after POSIX_FADV_DONTNEED so they hit the disk), O_DIRECT from an aligned mmap buffer,
 and fio (psync, iodepth 1, the same block size, direct and buffered). Prints MB/s.
+With --tier, also the disk tier itself (kvpool.disk.DiskTier: offers written by its writer
+thread, validated reads) at a payload of --block-kib minus its 64-byte header.
 """
 from __future__ import annotations
 
@@ -61,11 +63,47 @@ def _fio(path: str, bs: int, n: int, direct: bool, write: bool) -> float:
     return job["bw_bytes"] / 1e6
 
 
+def _tier(directory: str, bs: int, n: int) -> tuple[float, float]:
+    """The disk tier's write and read rates (MB/s of payload) for `n` blocks whose slot is `bs`."""
+    import numpy as np
+
+    from kvpool.disk import DiskIdentity, DiskTier
+    from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum
+    from kvpool.stats import PoolStats
+
+    payload = bs - HEADER_BYTES
+    tier = DiskTier(os.path.join(directory, "tier"), n * bs, DiskIdentity("bench", "bench", payload), PoolStats())
+    src = np.frombuffer(os.urandom(bs), dtype=np.uint8).copy()
+    digest = checksum(src.ctypes.data + HEADER_BYTES, payload)
+    hashes = [i.to_bytes(32, "little") for i in range(n)]
+    try:
+        t0 = time.perf_counter()
+        for h in hashes:
+            src[:HEADER_BYTES] = np.frombuffer(SlotHeader(MAGIC, 1, payload, digest, h).pack(), dtype=np.uint8)
+            tier.offer(h, src.ctypes.data, wait_s=10.0)
+        tier.flush(600)
+        write = n * payload / (time.perf_counter() - t0) / 1e6
+        dest = np.empty(payload, dtype=np.uint8)
+        order = list(hashes)
+        random.Random(1).shuffle(order)
+        t0 = time.perf_counter()
+        ok = sum(tier.read_into(h, dest.ctypes.data) for h in order)
+        read = n * payload / (time.perf_counter() - t0) / 1e6
+        assert ok == n, f"{n - ok} blocks did not read back"
+    finally:
+        tier.close()
+        for name in os.listdir(os.path.join(directory, "tier")):
+            os.unlink(os.path.join(directory, "tier", name))
+        os.rmdir(os.path.join(directory, "tier"))
+    return write, read
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dir")
     p.add_argument("--block-kib", type=int, default=512)
     p.add_argument("--blocks", type=int, default=512)
+    p.add_argument("--tier", action="store_true", help="also measure kvpool.disk.DiskTier")
     args = p.parse_args()
     bs, n = args.block_kib * 1024, args.blocks
     path = os.path.join(args.dir, "disk_io_compare.bin")
@@ -79,6 +117,9 @@ def main() -> None:
                       f"fio {_fio(path, bs, n, direct, write):8.0f} MB/s", flush=True)
     finally:
         os.unlink(path)
+    if args.tier:
+        write, read = _tier(args.dir, bs, n)
+        print(f"tier  write {write:8.0f} MB/s   read {read:8.0f} MB/s (payload; writer thread, validated reads)")
 
 
 if __name__ == "__main__":
