@@ -87,6 +87,7 @@ class NodePool:
         # whose threads such a read may itself wait on).
         self._slow_reads = ThreadPoolExecutor(2, thread_name_prefix=f"disk-read-{config.node_id}")
         self._stager: StageServer | None = None
+        self._unregistered = False  # close() ended the registration: nothing left to unpublish
         self._lock = threading.Lock()
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -138,6 +139,7 @@ class NodePool:
         if self._session is not None:
             self._session.stop(unregister=True)
             self._session = None
+            self._unregistered = True  # (the index dropped every block of the node)
         self._slow_reads.shutdown(wait=True)
         self._completer.shutdown(wait=True)
         if self.disk is not None:
@@ -278,7 +280,7 @@ class NodePool:
             self.stats.evictions += len(victims)
 
     def _unpublish(self, hashes: list[BlockHash], why: str) -> None:
-        if self.client is not None and hashes:
+        if self.client is not None and hashes and not self._unregistered:
             try:
                 self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
             except MetaError as err:
