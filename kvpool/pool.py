@@ -51,6 +51,7 @@ from metaserver.types import BlockHash, BlockLocation, BlockRecord, Medium, Name
 
 log = logging.getLogger(__name__)
 
+UNPUBLISH_BATCH = 4096  # hashes per Unpublish RPC (the metaserver's default limit is 8192)
 READ_SLOTS_MIN = 64  # read-buffer slots of even a small pool (the buffer's pages are mapped as used)
 
 
@@ -280,13 +281,16 @@ class NodePool:
             self.stats.evictions += len(victims)
 
     def _unpublish(self, hashes: list[BlockHash], why: str) -> None:
-        if self.client is not None and hashes and not self._unregistered:
+        if self.client is None or self._unregistered:
+            return
+        # In batches the metaserver takes (a disk tier that turns off drops all it held at once).
+        for i in range(0, len(hashes), UNPUBLISH_BATCH):
+            part = hashes[i:i + UNPUBLISH_BATCH]
             try:
-                self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
+                self.stats.unpublished += self.client.unpublish(self.config.node_id, part)
             except MetaError as err:
                 # Readers still validate the generation, so a stale entry only costs a miss.
-                log.warning("node %s: unpublish of %d %s blocks failed: %s", self.config.node_id, len(hashes), why,
-                            err)
+                log.warning("node %s: unpublish of %d %s blocks failed: %s", self.config.node_id, len(part), why, err)
 
     # ---- disk tier ------------------------------------------------------------------
 
