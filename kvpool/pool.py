@@ -36,14 +36,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.config import PoolConfig
+from kvpool.errors import PoolError
 from kvpool.disk import DiskBlock, DiskError, DiskIdentity, DiskTier
 from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
                            view)
 from kvpool.publisher import Publisher
 from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
-from kvpool.stage import MAX_BLOCKS as STAGE_MAX_BLOCKS
-from kvpool.stage import StageError, StageServer, stage
+from kvpool.stage import StageServer
 from kvpool.stats import PoolStats
+from kvpool.tier_reads import TierReads
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
@@ -53,10 +54,6 @@ log = logging.getLogger(__name__)
 
 UNPUBLISH_BATCH = 4096  # hashes per Unpublish RPC (the metaserver's default limit is 8192)
 READ_SLOTS_MIN = 64  # read-buffer slots of even a small pool (the buffer's pages are mapped as used)
-
-
-class PoolError(Exception):
-    """Bad use of the pool (sizes, unregistered memory, unknown nodes)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +97,7 @@ class NodePool:
         self._publisher: Publisher | None = None
         self._session: NodeSession | None = None
         self.disk = self._open_disk() if config.disk_enabled else None
+        self._tiers = TierReads(config, self.disk, self.stats, self._reads, self.put, self._dram_record)
 
     def _open_disk(self) -> DiskTier | None:
         cfg = self.config
@@ -119,7 +117,7 @@ class NodePool:
         if self.client is None:
             return
         if self.disk is not None:
-            self._stager = StageServer(self._stage, io_timeout_s=self.config.read_timeout_s)
+            self._stager = StageServer(self._tiers.stage, io_timeout_s=self.config.read_timeout_s)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s, api_url=self.config.api_url,
@@ -203,6 +201,11 @@ class NodePool:
         return BlockRecord(block.block_hash, block.offset, HEADER_BYTES + self.config.block_bytes, block.generation,
                            Medium.DISK)
 
+    def _dram_record(self, block_hash: BlockHash) -> BlockRecord | None:
+        with self._lock:
+            slot = self._lru.get(block_hash)
+            return self._record(slot) if slot is not None else None
+
     def _in_dram(self, block_hash: BlockHash) -> bool:
         """Under the lock: held in DRAM or being copied in (then published as DRAM)."""
         return block_hash in self._lru or block_hash in self._writing
@@ -234,7 +237,7 @@ class NodePool:
                     self._lru.move_to_end(slot.block_hash)
                     out.append(self._record(slot))
                     continue
-            if not self._promote(BlockHash(bytes(h))):  # a disk block comes back into DRAM
+            if not self._tiers.promote(BlockHash(bytes(h))):  # a disk block comes back into DRAM
                 break
             with self._lock:
                 slot = self._lru.get(BlockHash(h))
@@ -321,39 +324,6 @@ class NodePool:
         with self._lock:
             gone = [h for h in hashes if not self._in_dram(h)]
         self._unpublish(gone, "disk-evicted")
-
-    def _promote(self, block_hash: BlockHash) -> bool:
-        """Read a block held only on disk back into a DRAM slot (validated); False if it is
-        not on disk or did not validate."""
-        if self.disk is None:
-            return False
-        tmp = np.empty(self.config.block_bytes, dtype=np.uint8)
-        if not self.disk.read_into(block_hash, tmp.ctypes.data):
-            return False
-        self.stats.bytes_read += tmp.nbytes
-        try:
-            self.put(block_hash, tmp.ctypes.data, tmp.nbytes)
-        except PoolError as err:  # every DRAM slot is being written: served from disk only
-            log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
-            return False
-        return True
-
-    def _stage(self, hashes: list[bytes]) -> list[tuple[int, int] | None]:
-        """A reader's stage request (kvpool.stage, on a server thread): bring each block into
-        DRAM (from the disk tier if need be) and say where it is now."""
-        out: list[tuple[int, int] | None] = []
-        for raw in hashes:
-            h = BlockHash(raw)
-            with self._lock:
-                slot = self._lru.get(h)
-                rec = self._record(slot) if slot is not None else None
-            if rec is None and self._promote(h):
-                self.stats.disk_staged += 1
-                with self._lock:
-                    slot = self._lru.get(h)
-                    rec = self._record(slot) if slot is not None else None
-            out.append(None if rec is None else (rec.offset, rec.generation))
-        return out
 
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
@@ -457,49 +427,17 @@ class NodePool:
             missed = []
         deferred, deferred_idx = None, missed + [i for idx in staged.values() for i in idx]
         if deferred_idx:  # on a pool thread: the caller may be the engine loop
-            deferred = self._slow_reads.submit(self._read_deferred, locations, dest_addrs, missed,
+            deferred = self._slow_reads.submit(self._tiers.read, locations, dest_addrs, missed,
                                                [(nodes[k], idx) for k, idx in staged.items()])
         self.stats.failed_reads += len(unreadable)
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
                           local_ok, unreadable, on_progress=on_progress, deferred=deferred,
                           deferred_idx=deferred_idx)
 
-    def _read_deferred(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], missed: list[int],
-                       staged: list[tuple[NodeRecord, list[int]]]) -> set[int]:
-        ok = self._read_disk(locations, dest_addrs, missed) if missed else set()
-        for node, idx in staged:
-            ok |= self._read_staged(node, locations, dest_addrs, idx)
-        return ok
-
-    def _read_staged(self, node: NodeRecord, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
-                     idx: list[int]) -> set[int]:
-        """Have `node` stage its disk blocks `idx` into DRAM, then read them from there
-        (validated against its answer, as any remote read); returns the indices delivered."""
-        n = self.config.block_bytes
-        answers: list[tuple[int, int] | None] = []
-        try:
-            for k in range(0, len(idx), STAGE_MAX_BLOCKS):
-                answers += stage(node.stage_address, [locations[i].block_hash for i in idx[k:k + STAGE_MAX_BLOCKS]],
-                                 self.config.read_timeout_s / 2)
-        except StageError as err:
-            log.warning("node %s: %d disk blocks of %s not staged: %s", self.config.node_id, len(idx), node.node_id,
-                        err)
-            self.stats.failed_reads += len(idx)
-            return set()
-        got = [(i, a) for i, a in zip(idx, answers) if a is not None]
-        self.stats.failed_reads += len(idx) - len(got)
-        if not got:
-            return set()
-        locs = [BlockLocation(locations[i].block_hash, node.node_id, offset, HEADER_BYTES + n, generation)
-                for i, (offset, generation) in got]
-        res = ReadHandle(self._reads, locs, [dest_addrs[i] for i, _ in got], n,
-                         [(node, list(range(len(got))))]).wait()
-        return {got[j][0] for j in res.ok}
-
     def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
                     idx: list[int]) -> tuple[set[int], list[int]]:
         """Copy this node's blocks whose DRAM slot still holds the located generation to their
-        destinations; returns those indices and the others (for the disk tier, `_read_disk`)."""
+        destinations; returns those indices and the others (for the disk tier, `TierReads`)."""
         n = self.config.block_bytes
         ok = set()
         missed = []
@@ -518,21 +456,3 @@ class NodePool:
         self.stats.local_hits += len(ok)
         self.stats.bytes_read += len(ok) * n
         return ok, missed
-
-    def _read_disk(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
-        """Read this node's blocks from its disk tier into their destinations (validated) and
-        promote them into DRAM; returns the indices delivered. Runs on a pool thread."""
-        assert self.disk is not None
-        n, ok = self.config.block_bytes, set()
-        for i in idx:
-            # Content is named by its hash: any copy that validates is the block asked for.
-            h = locations[i].block_hash
-            if self.disk.read_into(h, dest_addrs[i]):
-                ok.add(i)
-                try:
-                    self.put(h, dest_addrs[i], n)  # promote: the next hit is a DRAM one
-                except PoolError as err:
-                    log.warning("node %s: disk block not promoted: %s", self.config.node_id, err)
-        self.stats.bytes_read += len(ok) * n
-        self.stats.failed_reads += len(idx) - len(ok)
-        return ok
