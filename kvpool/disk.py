@@ -22,12 +22,11 @@ slots): 1.8 GB/s of writes once slots are reused (fio 1.9-2.2 GB/s) but ~0.8 GB/
 first write of each slot (ext4 converts the preallocated, unwritten extents then), and 0.8-0.9
 GB/s of validated reads (fio 1.0-1.2 GB/s).
 
-On-disk layout (DIR/slots.bin): slot i at i * slot_bytes; a slot is the DRAM slot's 64-byte
-header (`kvpool.layout.SlotHeader`) and its payload, rounded up to 4 KiB (O_DIRECT
-alignment). The header's generation is this tier's write sequence number (increasing across
-all slots), so a restart rebuilds the LRU order from the headers. DIR/kvpool-disk.json holds
-the format version, the node id, the layout fingerprint and the slot size; a directory made
-for another node or layout is refused (`DiskLayoutError`), never reused.
+On-disk layout (`kvpool.disk_file`): one slot file, each slot the DRAM slot's 64-byte header
+(`kvpool.layout.SlotHeader`) and its payload, rounded up to 4 KiB (O_DIRECT alignment); a
+directory made for another node or layout is refused (`DiskLayoutError`). The header's
+generation is this tier's write sequence number (increasing across all slots), so a restart
+rebuilds the LRU order from the headers.
 
 A slot is written payload first with an invalid header (magic 0), then its header page: a
 process killed in between leaves a slot that fails the header check. A power loss may
@@ -45,52 +44,24 @@ I/O runs outside the lock: the writer on its own thread, reads on the caller's t
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import mmap
 import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpool.disk_file import (DATA_FILE, DISK_ALIGN, AlignedBuffers, DiskError, DiskIdentity, DiskLayoutError,
+                              disk_slot_bytes, open_slots, read_headers)
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, Payload, memcpy, segments_of, valid_block, view
 from kvpool.stats import PoolStats
 from metaserver.types import BlockHash
 
+__all__ = ["DATA_FILE", "DiskBlock", "DiskError", "DiskIdentity", "DiskLayoutError", "DiskTier", "disk_slot_bytes"]
+
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-DISK_ALIGN = 4096          # O_DIRECT: offsets, lengths and buffers aligned to this
-META_FILE = "kvpool-disk.json"
-DATA_FILE = "slots.bin"
-
-
-class DiskError(Exception):
-    """The disk tier cannot start (the pool then runs with DRAM only)."""
-
-
-class DiskLayoutError(DiskError):
-    """The directory holds another node's or another layout's blocks."""
-
-
-def disk_slot_bytes(block_bytes: int) -> int:
-    """Bytes of one disk slot: header and payload, rounded up to DISK_ALIGN."""
-    return (HEADER_BYTES + block_bytes + DISK_ALIGN - 1) // DISK_ALIGN * DISK_ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class DiskIdentity:
-    """What a disk directory must have been made for to be reused."""
-    node_id: str
-    layout_fingerprint: str
-    block_bytes: int
-
-    def meta(self) -> dict[str, object]:
-        return {"format": FORMAT_VERSION, "node_id": self.node_id, "layout_fingerprint": self.layout_fingerprint,
-                "block_bytes": self.block_bytes, "slot_bytes": disk_slot_bytes(self.block_bytes)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,42 +79,6 @@ class _Slot:
     block_hash: BlockHash | None = None
     readers: int = 0          # reads in flight (the slot is not reused meanwhile)
     orphan: bool = False      # dropped while read: freed by the last reader
-
-
-class _Buffers:
-    """Page-aligned slot-sized buffers (one mmap), handed out and given back."""
-
-    def __init__(self, num: int, slot_bytes: int) -> None:
-        self._mem = mmap.mmap(-1, num * slot_bytes)
-        self.slot_bytes = slot_bytes
-        self._base = view_addr(self._mem)
-        self._free = list(range(num))
-        self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)
-
-    def take(self, wait_s: float = 0.0) -> int | None:
-        """A free buffer, waiting up to `wait_s` for one; None if none came."""
-        with self._lock:
-            if wait_s > 0:
-                self._freed.wait_for(lambda: bool(self._free), wait_s)
-            return self._free.pop() if self._free else None
-
-    def give(self, i: int) -> None:
-        with self._lock:
-            self._free.append(i)
-            self._freed.notify()
-
-    def addr(self, i: int) -> int:
-        return self._base + i * self.slot_bytes
-
-    def mv(self, i: int, nbytes: int | None = None) -> memoryview:
-        return memoryview(self._mem)[i * self.slot_bytes:i * self.slot_bytes + (nbytes or self.slot_bytes)]
-
-
-def view_addr(mem: mmap.mmap) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(mem))
 
 
 class DiskTier:
@@ -165,7 +100,7 @@ class DiskTier:
         self._stats = stats
         self._on_written = on_written
         self._on_evicted = on_evicted
-        self._fd, self.direct = self._open(size_bytes)
+        self._fd, self.direct = open_slots(self.path, identity, self.num_slots)
         self._lock = threading.Lock()
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._index: dict[BlockHash, _Slot] = {}
@@ -173,49 +108,20 @@ class DiskTier:
         self._free: list[int] = []
         self._seq = 0
         self.enabled = True
-        self._staging = _Buffers(queue_blocks, self.slot_bytes)
-        self._reading = _Buffers(read_buffers, self.slot_bytes)
+        self._staging = AlignedBuffers(queue_blocks, self.slot_bytes)
+        self._reading = AlignedBuffers(read_buffers, self.slot_bytes)
         self._queue: queue.Queue[tuple[BlockHash, int] | None] = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._queued = 0  # offers not written (or dropped) yet
-        self.scan()
+        try:
+            self.scan()
+        except DiskError:
+            os.close(self._fd)
+            raise
         self._writer = threading.Thread(target=self._run, name=f"disk-writer-{identity.node_id}", daemon=True)
         self._writer.start()
 
     # ---- opening --------------------------------------------------------------------
-
-    def _open(self, size_bytes: int) -> tuple[int, bool]:
-        want = self.identity.meta()
-        meta_path, data_path = self.path / META_FILE, self.path / DATA_FILE
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            if meta_path.exists():
-                have = json.loads(meta_path.read_text())
-                if have != want:
-                    raise DiskLayoutError(
-                        f"disk tier {self.path} was made for {have}, not for {want}: give this node another "
-                        f"directory (or empty this one)")
-            size = self.num_slots * self.slot_bytes
-            try:
-                fd, direct = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644), True
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                fd, direct = os.open(data_path, os.O_RDWR | os.O_CREAT, 0o644), False
-            try:
-                os.posix_fallocate(fd, 0, size)
-                if os.fstat(fd).st_size > size:  # a smaller tier than last time: drop the tail
-                    os.ftruncate(fd, size)
-            except OSError:
-                os.close(fd)
-                raise
-            if not meta_path.exists():
-                tmp = meta_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(want, sort_keys=True))
-                os.replace(tmp, meta_path)
-        except (OSError, ValueError) as err:
-            raise DiskError(f"disk tier {self.path}: {err}") from err
-        return fd, direct
 
     def scan(self) -> int:
         """Rebuild the tables from the slot headers on disk (header check only: every later
@@ -224,7 +130,7 @@ class DiskTier:
         buf = self._reading.take()
         assert buf is not None
         try:
-            for i, header in self._headers(buf):
+            for i, header in read_headers(self._fd, self.num_slots, self.slot_bytes, self._reading.mv(buf, DISK_ALIGN)):
                 if header.magic != MAGIC or header.payload_bytes != self.block_bytes:
                     continue
                 h = BlockHash(header.block_hash)
@@ -246,14 +152,6 @@ class DiskTier:
             self._stats.disk_blocks = len(self._index)
             self._stats.disk_enabled = True
         return len(found)
-
-    def _headers(self, buf: int) -> Iterator[tuple[int, SlotHeader]]:
-        page = self._reading.mv(buf, DISK_ALIGN)
-        for i in range(self.num_slots):
-            n = os.preadv(self._fd, [page], i * self.slot_bytes)
-            if n != DISK_ALIGN:
-                raise OSError(errno.EIO, f"short read of slot {i}'s header ({n} bytes)")
-            yield i, SlotHeader.unpack(page[:HEADER_BYTES])
 
     # ---- state ----------------------------------------------------------------------
 
