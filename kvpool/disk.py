@@ -13,12 +13,11 @@ rate). The price: a node killed with blocks that never left DRAM loses those on 
 (its disk keeps every block it evicted).
 
 Why O_DIRECT from page-aligned (mmap) buffers, buffered I/O as fallback: measured on this
-machine's ext4 (scripts/disk_io_compare.py, 512 KiB random slots, iodepth 1) O_DIRECT wrote
+machine's ext4 (`kvpool bench disk`, 512 KiB random slots, iodepth 1) O_DIRECT wrote
 2.3-2.5 GB/s against 0.27-0.35 GB/s buffered-plus-fdatasync and fio's 2.7-3.4 GB/s, and read
 0.9-1.7 GB/s against 0.4-1.3 GB/s buffered (noisy), fio 1.6-1.9 GB/s; O_DIRECT also keeps
 the tier out of the page cache, which the DRAM pool already is. A file system that refuses
-O_DIRECT gets buffered I/O. The tier itself (`scripts/disk_io_compare.py --tier`, 1 MiB
-slots): 1.8 GB/s of writes once slots are reused (fio 1.9-2.2 GB/s) but ~0.8 GB/s on the
+O_DIRECT gets buffered I/O. The tier itself (`kvpool bench disk`, 1 MiB slots): 1.8 GB/s of writes once slots are reused (fio 1.9-2.2 GB/s) but ~0.8 GB/s on the
 first write of each slot (ext4 converts the preallocated, unwritten extents then), and 0.8-0.9
 GB/s of validated reads (fio 1.0-1.2 GB/s).
 
