@@ -89,3 +89,32 @@ def test_blocks_evicted_to_disk_are_hit_locally_and_from_another_node(nodes: dic
     assert after_a["pool_disk_staged"] - before_a["pool_disk_staged"] == PROMPT_BLOCKS
     assert after_b["pool_remote_hit_blocks"] - before_b["pool_remote_hit_blocks"] == PROMPT_BLOCKS
     assert out_ids(got) == out_ids(c.complete(remote + suffix, 16))
+
+
+def test_a_restarted_node_serves_hits_from_its_disk(nodes: dict[str, EngineProcess]) -> None:
+    """A clean restart (SIGTERM, then the same node id and directory): the node's blocks, in
+    DRAM or on disk before, are found on disk and re-published; it hits them itself, and
+    another node has them staged."""
+    a, b, c = nodes["A"], nodes["B"], nodes["C"]
+    n = PROMPT_BLOCKS * BS
+    own, theirs = tokens(7, n), tokens(8, n)
+    for seed_prompt in (own, theirs):
+        a.complete(seed_prompt, 2)
+        wait_for(lambda: a.stats()["connector_saves_pending"] == 0, timeout_s=30, interval_s=0.05)
+    wait_for(lambda: not a.stats()["pool_publishing"], timeout_s=30, interval_s=0.05)
+    a.stop()
+    a.start()
+    a.wait_ready(timeout_s=300)
+    assert a.stats()["pool_disk_blocks"] >= 2 * PROMPT_BLOCKS
+
+    suffix = tokens(9, 20)
+    got = a.complete(own + suffix, 16)
+    details = got["usage"]["prompt_tokens_details"]
+    assert details["local_cached_tokens"] == 0 and details["remote_cached_tokens"] == n, details
+    assert a.stats()["pool_disk_hits"] == PROMPT_BLOCKS
+    assert out_ids(got) == out_ids(c.complete(own + suffix, 16))
+
+    got = b.complete(theirs + suffix, 16)
+    assert got["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == n
+    assert a.stats()["pool_disk_staged"] == PROMPT_BLOCKS
+    assert out_ids(got) == out_ids(c.complete(theirs + suffix, 16))
