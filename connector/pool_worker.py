@@ -71,7 +71,8 @@ class PoolWorker:
         cfg = PoolConfig(node_id=settings.node_id, pool_size_bytes=settings.pool_size_bytes, block_bytes=block_bytes,
                          layout_fingerprint=fingerprint, metaserver=settings.metaserver, transfer=settings.transfer,
                          lease_ttl_s=settings.lease_ttl_s, read_timeout_s=settings.read_timeout_s,
-                         api_url=settings.api_url)
+                         api_url=settings.api_url, disk_dir=settings.disk_dir,
+                         disk_size_bytes=settings.disk_size_bytes)
         self._client = settings.meta_client()
         pool = None
         try:
@@ -264,7 +265,8 @@ class PoolWorker:
                        pool_remote_hit_blocks=ps.remote_hits,
                        pool_local_hit_blocks=ps.local_hits, pool_published=ps.published,
                        pool_unpublished=ps.unpublished, pool_blocks=len(pool), pool_slots=pool.num_slots,
-                       pool_publishing=int(pool.publishing))
+                       pool_publishing=int(pool.publishing),
+                       **{f"pool_{k}": int(v) for k, v in asdict(ps).items() if k.startswith("disk_")})
         return out
 
     def close(self) -> None:

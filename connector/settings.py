@@ -3,7 +3,8 @@
 Both halves and every host (our engine's `MooncakeConnector`, a vLLM plug-in) take these
 instead of reading the free-form JSON themselves.
 
-Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), node_id, api_url (the engine's
+Keys: metaserver (HOST:PORT[,..], required), pool_size ("4GiB"), pool_disk (a directory for
+the pool's disk tier) and pool_disk_size ("64GiB"; the tier is off unless both are set), node_id, api_url (the engine's
 http://HOST:PORT, announced in the node registry for routers), protocol,
 metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeout_s,
 lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
@@ -70,6 +71,8 @@ class PoolConnectorSettings:
     token_file: str = ""
     api_url: str = ""                  # the engine's API (http://HOST:PORT) in the registry; "" = none
     handoff_wait_s: float = 5.0        # P/D from a vLLM producer: wait this long for its blocks in the index
+    disk_dir: str = ""                 # the pool's disk tier (kvpool.disk); off unless this and
+    disk_size_bytes: int = 0           # its size are both set
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
@@ -102,7 +105,8 @@ class PoolConnectorSettings:
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""),
                        api_url=str(extra("api_url", "")),
-                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)))
+                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)),
+                       disk_dir=str(extra("pool_disk", "")), disk_size_bytes=parse_size(extra("pool_disk_size", 0)))
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 

@@ -135,6 +135,13 @@ PROM_COUNTERS = {
     "pool_quarantined_slots": "read-buffer slots lost to failed transfers (never reused: bytes may still land)",
     "pool_evictions": "pool slots evicted",
     "pool_published": "blocks published to the metaserver",
+    "pool_disk_writes": "blocks written to the pool's disk tier",
+    "pool_disk_hits": "blocks read from the pool's disk tier and validated",
+    "pool_disk_failed_reads": "disk tier reads that did not validate",
+    "pool_disk_evictions": "disk tier slots reused by LRU eviction",
+    "pool_disk_errors": "disk tier I/O errors (each turns the tier off)",
+    "pool_disk_dropped_writes": "evicted blocks not written to disk (the writer's queue was full)",
+    "pool_disk_staged": "disk tier blocks promoted into DRAM for other nodes' reads",
 }
 
 

@@ -22,6 +22,10 @@ class PoolConfig:
     max_read_blocks: int = 65536         # read-buffer slots at most (remote blocks in flight at once)
     rpc_timeout_s: float = 5.0
     api_url: str = ""                    # the engine's API, announced with the registration (routers)
+    disk_dir: str = ""                   # the disk tier's directory (kvpool.disk); off unless this and
+    disk_size_bytes: int = 0             # its size are both set
+    disk_queue_blocks: int = 32          # evicted blocks waiting for the disk writer at most (more are dropped)
+    disk_save_on_close: bool = True      # close() writes the blocks still in DRAM to disk (warm restart)
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:
@@ -38,3 +42,10 @@ class PoolConfig:
             raise ValueError("publish_batch, evict_batch and max_read_blocks must be >= 1")
         if self.read_timeout_s <= 0 or self.publish_interval_s <= 0:
             raise ValueError("read_timeout_s and publish_interval_s must be > 0")
+        if self.disk_size_bytes < 0 or self.disk_queue_blocks < 1:
+            raise ValueError("disk_size_bytes must be >= 0 and disk_queue_blocks >= 1")
+
+    @property
+    def disk_enabled(self) -> bool:
+        """A disk tier was asked for (both its directory and its size are set)."""
+        return bool(self.disk_dir) and self.disk_size_bytes > 0

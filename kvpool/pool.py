@@ -11,6 +11,16 @@ Invariants:
 - Every read is validated against (hash, generation, checksum); a block the source evicted
   or overwrote meanwhile is reported failed, never handed on as good.
 
+Disk tier (`kvpool.disk`, when configured): blocks evicted from DRAM are copied to the
+tier's writer before their slot is freed; a block held only on disk is read from there
+(validated) by `get` and `locate` and promoted back into DRAM. A tier that cannot start or
+fails later is off; the pool goes on with DRAM only. The index learns of each block once,
+with its medium: a block in DRAM is published as DRAM (also when a disk copy exists); one
+that left DRAM for the disk as DISK, and unpublished when it leaves the disk. A pool
+started on a disk directory it used before publishes the valid blocks found there.
+Another node's DISK copy is never read one-sidedly: its holder stages it into DRAM on
+request first (`kvpool.stage`; the pool serves those requests when it has a disk tier).
+
 Threading: every public method is thread-safe; `self._lock` guards the slot tables.
 """
 from __future__ import annotations
@@ -26,23 +36,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.config import PoolConfig
+from kvpool.errors import PoolError
+from kvpool.disk import DiskBlock, DiskError, DiskIdentity, DiskTier
 from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
                            view)
 from kvpool.publisher import Publisher
 from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
+from kvpool.stage import StageServer
 from kvpool.stats import PoolStats
+from kvpool.tier_reads import TierReads
 from kvpool.transfer import TransferEngine
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import MetaError
-from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Medium, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
 
+UNPUBLISH_BATCH = 4096  # hashes per Unpublish RPC (the metaserver's default limit is 8192)
 READ_SLOTS_MIN = 64  # read-buffer slots of even a small pool (the buffer's pages are mapped as used)
-
-
-class PoolError(Exception):
-    """Bad use of the pool (sizes, unregistered memory, unknown nodes)."""
 
 
 @dataclass(slots=True)
@@ -70,6 +81,11 @@ class NodePool:
                           self.slot_bytes, self.stats)
         # Threads that wait (GIL released) for transfer batches to complete.
         self._completer = ThreadPoolExecutor(4, thread_name_prefix=f"read-{config.node_id}")
+        # Threads for reads that wait on a disk or a stage request (kept off the completer,
+        # whose threads such a read may itself wait on).
+        self._slow_reads = ThreadPoolExecutor(2, thread_name_prefix=f"disk-read-{config.node_id}")
+        self._stager: StageServer | None = None
+        self._unregistered = False  # close() ended the registration: nothing left to unpublish
         self._lock = threading.Lock()
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -80,6 +96,19 @@ class NodePool:
         self.client = client
         self._publisher: Publisher | None = None
         self._session: NodeSession | None = None
+        self.disk = self._open_disk() if config.disk_enabled else None
+        self._tiers = TierReads(config, self.disk, self.stats, self._reads, self.put, self._dram_record)
+
+    def _open_disk(self) -> DiskTier | None:
+        cfg = self.config
+        try:
+            return DiskTier(cfg.disk_dir, cfg.disk_size_bytes,
+                            DiskIdentity(cfg.node_id, cfg.layout_fingerprint, cfg.block_bytes), self.stats,
+                            queue_blocks=cfg.disk_queue_blocks, on_written=self._disk_written,
+                            on_evicted=self._disk_evicted)
+        except DiskError as err:
+            log.error("node %s: no disk tier, DRAM only: %s", cfg.node_id, err)
+            return None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -87,9 +116,12 @@ class NodePool:
         """Register with the metaserver and start publishing (no-op without a client)."""
         if self.client is None:
             return
+        if self.disk is not None:
+            self._stager = StageServer(self._tiers.stage, io_timeout_s=self.config.read_timeout_s)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
-                                    self.config.lease_ttl_s, api_url=self.config.api_url)
+                                    self.config.lease_ttl_s, api_url=self.config.api_url,
+                                    stage_address=self._stager.address if self._stager is not None else "")
         self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
                                     on_failure=self._session.resync)
         self._session.start()
@@ -97,13 +129,22 @@ class NodePool:
 
     def close(self) -> None:
         """Unregister from the metaserver, unregister all memory. Idempotent."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if self._publisher is not None:
             self._publisher.stop()
             self._publisher = None
         if self._session is not None:
             self._session.stop(unregister=True)
             self._session = None
+            self._unregistered = True  # (the index dropped every block of the node)
+        self._slow_reads.shutdown(wait=True)
         self._completer.shutdown(wait=True)
+        if self.disk is not None:
+            if self.config.disk_save_on_close:
+                self._save_to_disk()
+            self.disk.close()
         self.te.close()
 
     def __enter__(self) -> NodePool:
@@ -156,11 +197,31 @@ class NodePool:
         return BlockRecord(slot.block_hash, slot.index * self.slot_bytes, HEADER_BYTES + self.config.block_bytes,
                            slot.generation)
 
-    def _holdings(self) -> list[BlockRecord]:
+    def _disk_record(self, block: DiskBlock) -> BlockRecord:
+        return BlockRecord(block.block_hash, block.offset, HEADER_BYTES + self.config.block_bytes, block.generation,
+                           Medium.DISK)
+
+    def _dram_record(self, block_hash: BlockHash) -> BlockRecord | None:
         with self._lock:
-            return [self._record(s) for s in self._lru.values()]
+            slot = self._lru.get(block_hash)
+            return self._record(slot) if slot is not None else None
+
+    def _in_dram(self, block_hash: BlockHash) -> bool:
+        """Under the lock: held in DRAM or being copied in (then published as DRAM)."""
+        return block_hash in self._lru or block_hash in self._writing
+
+    def _holdings(self) -> list[BlockRecord]:
+        on_disk = self.disk.blocks() if self.disk is not None else []
+        with self._lock:
+            return ([self._record(s) for s in self._lru.values()]
+                    + [self._disk_record(b) for b in on_disk if not self._in_dram(b.block_hash)])
 
     def _is_current(self, rec: BlockRecord) -> bool:
+        if rec.medium == Medium.DISK:
+            if self.disk is None or not self.disk.holds(rec.block_hash, rec.generation):
+                return False
+            with self._lock:
+                return not self._in_dram(rec.block_hash)
         with self._lock:
             slot = self._lru.get(rec.block_hash)
             return slot is not None and slot.generation == rec.generation
@@ -169,12 +230,19 @@ class NodePool:
         """Where this pool holds the leading blocks of `hashes` (up to the first it does
         not hold), as records to read them by; each is marked recently used."""
         out = []
-        with self._lock:
-            for h in hashes:
+        for h in hashes:
+            with self._lock:
                 slot = self._lru.get(BlockHash(h))
-                if slot is None:
+                if slot is not None:
+                    self._lru.move_to_end(slot.block_hash)
+                    out.append(self._record(slot))
+                    continue
+            if not self._tiers.promote(BlockHash(bytes(h))):  # a disk block comes back into DRAM
+                break
+            with self._lock:
+                slot = self._lru.get(BlockHash(h))
+                if slot is None:  # evicted again at once (a tiny pool): not held
                     break
-                self._lru.move_to_end(slot.block_hash)
                 out.append(self._record(slot))
         return out
 
@@ -212,20 +280,62 @@ class NodePool:
         return victims
 
     def _retire(self, victims: list[_Slot]) -> None:
-        """Unpublish evicted slots, then free them. Called without the lock: the RPC must not
-        hold up reads and other puts (with the metaserver frozen it lasts a whole deadline)."""
+        """Unpublish evicted slots, hand them to the disk tier (which copies them), then free
+        them. Called without the lock: the RPC must not hold up reads and other puts (with the
+        metaserver frozen it lasts a whole deadline)."""
         hashes = [s.block_hash for s in victims if s.block_hash is not None]
-        if self.client is not None and hashes:
-            try:
-                self.stats.unpublished += self.client.unpublish(self.config.node_id, hashes)
-            except MetaError as err:
-                # Readers still validate the generation, so a stale entry only costs a miss.
-                log.warning("node %s: unpublish of %d evicted blocks failed: %s", self.config.node_id, len(hashes), err)
+        self._unpublish(hashes, "evicted")
+        if self.disk is not None:  # after the unpublish: the disk copy's publish must come later
+            for slot in victims:
+                if slot.block_hash is not None:
+                    self.disk.offer(slot.block_hash, self._slot_addr(slot))
         with self._lock:
             for slot in victims:
                 slot.block_hash = None
                 self._free.append(slot.index)
             self.stats.evictions += len(victims)
+
+    def _unpublish(self, hashes: list[BlockHash], why: str) -> None:
+        if self.client is None or self._unregistered:
+            return
+        # In batches the metaserver takes (a disk tier that turns off drops all it held at once).
+        for i in range(0, len(hashes), UNPUBLISH_BATCH):
+            part = hashes[i:i + UNPUBLISH_BATCH]
+            try:
+                self.stats.unpublished += self.client.unpublish(self.config.node_id, part)
+            except MetaError as err:
+                # Readers still validate the generation, so a stale entry only costs a miss.
+                log.warning("node %s: unpublish of %d %s blocks failed: %s", self.config.node_id, len(part), why, err)
+
+    # ---- disk tier ------------------------------------------------------------------
+
+    def _save_to_disk(self) -> None:
+        """At close: write the blocks still in DRAM to the disk tier (oldest first, so the
+        disk's LRU order follows DRAM's), so a restart on this directory finds them too. Only
+        blocks leaving DRAM go to disk while the pool runs (write-on-evict, kvpool.disk)."""
+        assert self.disk is not None
+        with self._lock:
+            held = [(s.block_hash, self._slot_addr(s)) for s in self._lru.values() if s.block_hash is not None]
+        for h, addr in held:  # nothing reuses the slots now: the pool is closing
+            if not self.disk.enabled:
+                break
+            self.disk.offer(h, addr, wait_s=10.0)
+        self.disk.flush(60.0)
+        log.info("node %s: %d DRAM blocks saved to the disk tier at close (%d there now)", self.config.node_id,
+                 len(held), len(self.disk))
+
+    def _disk_written(self, block: DiskBlock) -> None:
+        """The disk writer stored a block (or found it stored) after it left DRAM: publish the
+        disk copy (the publisher drops it if the block is back in DRAM by then)."""
+        if self._publisher is not None:
+            self._publisher.enqueue(self._disk_record(block))
+
+    def _disk_evicted(self, hashes: list[BlockHash]) -> None:
+        """Blocks left the disk tier (reused slots, failed reads, the tier turned off):
+        unpublish those the node does not hold in DRAM either, before the disk slot is reused."""
+        with self._lock:
+            gone = [h for h in hashes if not self._in_dram(h)]
+        self._unpublish(gone, "disk-evicted")
 
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
@@ -287,6 +397,11 @@ class NodePool:
         thread) whenever a transfer batch of the read finishes, so a caller can wait on an
         event instead of polling; `done()` then settles the read. Raises PoolError for bad
         arguments; read failures are reported by the handle as failed block indices.
+
+        Blocks this node holds only on its disk tier, and other nodes' DISK blocks (which
+        their holder stages into DRAM first, `kvpool.stage`), are read on a pool thread; the
+        handle reports them when that read has returned (another node's DISK block whose
+        holder does not stage is reported failed at once).
         """
         if len(locations) != len(dest_addrs):
             raise PoolError(f"{len(locations)} locations but {len(dest_addrs)} destinations")
@@ -297,10 +412,17 @@ class NodePool:
         me, slot_bytes = self.config.node_id, HEADER_BYTES + n
         local: list[int] = []
         remote: dict[NodeId, list[int]] = {}  # source node -> the request's indices on it
+        unreadable: list[int] = []  # another node's disk blocks it does not stage
+        staged: dict[NodeId, list[int]] = {}  # another node's disk blocks it stages first
         for i, loc in enumerate(locations):
             node_id = loc.node_id
             if node_id == me:
                 local.append(i)
+            elif loc.medium != Medium.DRAM:
+                if node_id in nodes and nodes[node_id].stage_address:
+                    staged.setdefault(node_id, []).append(i)
+                else:
+                    unreadable.append(i)
             elif node_id in nodes:
                 on_node = remote.get(node_id)
                 if on_node is None:
@@ -311,18 +433,32 @@ class NodePool:
                 raise PoolError(f"block #{i} is on unknown node {node_id!r}")
             if loc.size_bytes != slot_bytes:
                 raise PoolError(f"block #{i} is {loc.size_bytes} bytes; this pool's slots are {slot_bytes}")
-        local_ok = self._read_local(locations, dest_addrs, local) if local else set()
+        local_ok, missed = self._read_local(locations, dest_addrs, local) if local else (set(), [])
+        if self.disk is None:
+            unreadable += missed
+            missed = []
+        deferred, deferred_idx = None, missed + [i for idx in staged.values() for i in idx]
+        if deferred_idx:  # on a pool thread: the caller may be the engine loop
+            deferred = self._slow_reads.submit(self._tiers.read, locations, dest_addrs, missed,
+                                               [(nodes[k], idx) for k, idx in staged.items()])
+        self.stats.failed_reads += len(unreadable)
         return ReadHandle(self._reads, locations, dest_addrs, n, [(nodes[k], idx) for k, idx in remote.items()],
-                          local_ok, [i for i in local if i not in local_ok], on_progress=on_progress)
+                          local_ok, unreadable, on_progress=on_progress, deferred=deferred,
+                          deferred_idx=deferred_idx)
 
-    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], idx: list[int]) -> set[int]:
+    def _read_local(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload],
+                    idx: list[int]) -> tuple[set[int], list[int]]:
+        """Copy this node's blocks whose DRAM slot still holds the located generation to their
+        destinations; returns those indices and the others (for the disk tier, `TierReads`)."""
         n = self.config.block_bytes
         ok = set()
+        missed = []
         with self._lock:
             for i in idx:
                 loc = locations[i]
                 slot = self._lru.get(loc.block_hash)
                 if slot is None or slot.generation != loc.generation:
+                    missed.append(i)
                     continue
                 src = self._slot_addr(slot) + HEADER_BYTES
                 for addr, offset, length in segments_of(dest_addrs[i], n):
@@ -331,5 +467,4 @@ class NodePool:
                 ok.add(i)
         self.stats.local_hits += len(ok)
         self.stats.bytes_read += len(ok) * n
-        self.stats.failed_reads += len(idx) - len(ok)
-        return ok
+        return ok, missed

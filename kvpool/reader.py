@@ -242,11 +242,16 @@ class ReadHandle:
     while the read is in flight. Destinations are written only on this handle's caller's
     threads (inside `done()` / `wait()`), never by the transfer engine.
     `sources` lists, per source node, the indices to read from it; `local_ok` and
-    `local_failed` are indices this node's own pool has already served or could not."""
+    `local_failed` are indices this node's own pool has already served or could not.
+    `deferred` is a read of this node's own disk tier running on another thread: it resolves
+    to the indices of `deferred_idx` it delivered (validated, copied); the rest of them fail.
+    The handle's result waits for it (as for a posted batch, there is no giving up on it: it
+    writes destinations until it returns)."""
 
     def __init__(self, ctx: ReadContext, locations: Sequence[BlockLocation], dests: Sequence[Payload], nbytes: int,
                  sources: list[tuple[NodeRecord, list[int]]], local_ok: set[int] | None = None,
-                 local_failed: Sequence[int] = (), on_progress: Callable[[], None] | None = None) -> None:
+                 local_failed: Sequence[int] = (), on_progress: Callable[[], None] | None = None,
+                 deferred: Future[set[int]] | None = None, deferred_idx: Sequence[int] = ()) -> None:
         self._ctx = ctx
         self._locations = locations
         self._dests = dests
@@ -259,11 +264,15 @@ class ReadHandle:
         self._ok = set(local_ok or ())
         self._failed = set(local_failed)
         self._batches: list[_Batch] = []
+        self._deferred_idx = tuple(deferred_idx)
+        self._deferred_done = deferred is None
         self.result: ReadResult | None = None
         with self._lock:
             for node, idx in sources:
                 for part in batch_slices(len(idx)):
                     self._submit_batch(node, idx[part])
+            if deferred is not None:
+                deferred.add_done_callback(self._after_deferred)
             if not self._batches:
                 self._poll(hand_off=False)  # nothing to read remotely: the result is ready
 
@@ -309,6 +318,22 @@ class ReadHandle:
         batch.posted = True
         if hand_off:
             self._hand_off([batch])
+
+    def _after_deferred(self, fut: Future[set[int]]) -> None:
+        """The disk read finished (on its thread, or inline if it already had)."""
+        err = fut.exception()
+        if err is not None:
+            log.error("disk read of %d blocks failed: %s", len(self._deferred_idx), err)
+        ok = set() if err is not None else fut.result()
+        with self._lock:
+            self._ok.update(ok)
+            self._failed.update(i for i in self._deferred_idx if i not in ok)
+            self._deferred_done = True
+            self._set_result_if_settled()
+            if self._finished is not None:
+                self._finished.notify_all()
+        if self._on_progress is not None:
+            self._on_progress()
 
     def _finish(self, batch: _Batch, err: Exception | None) -> None:
         with self._lock:
@@ -428,7 +453,7 @@ class ReadHandle:
         self._settle(b, b.error is None)
 
     def _set_result_if_settled(self) -> None:
-        if self.result is None and all(b.settled for b in self._batches):
+        if self.result is None and self._deferred_done and all(b.settled for b in self._batches):
             self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:

@@ -15,3 +15,13 @@ class PoolStats:
     quarantined_slots: int = 0  # read-buffer slots lost to failed transfers (see kvpool.reader)
     published: int = 0        # records acknowledged by the metaserver
     unpublished: int = 0
+    # The disk tier (kvpool.disk); all stay 0 / False without one.
+    disk_enabled: bool = False  # the tier is on (turns False after an I/O error)
+    disk_blocks: int = 0        # blocks held on disk now
+    disk_writes: int = 0        # blocks written to disk (evicted from DRAM)
+    disk_hits: int = 0          # blocks read from disk and validated
+    disk_failed_reads: int = 0  # disk reads that did not validate (torn, stale, foreign slots)
+    disk_evictions: int = 0     # disk slots reused by LRU
+    disk_errors: int = 0        # I/O errors (each turns the tier off)
+    disk_dropped_writes: int = 0  # evicted blocks not written: the writer's queue was full
+    disk_staged: int = 0        # disk blocks promoted into DRAM for other nodes' reads (kvpool.stage)

@@ -25,8 +25,8 @@ if SPIN_ENV not in os.environ:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import (connector_bench, cross_node, engine_bench, lookup_bench, metaserver_bench, pd_bench,
-                              soak, spec_bench, transfer_bench, vllm_reads)
+    from kvpool_bench import (connector_bench, cross_node, disk_bench, engine_bench, lookup_bench, metaserver_bench,
+                              pd_bench, soak, spec_bench, transfer_bench, vllm_reads)
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
@@ -40,6 +40,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pd_bench.add_parser(benches)
     spec_bench.add_parser(benches)
     vllm_reads.add_parser(benches)
+    disk_bench.add_parser(benches)
 
 
 # Our own packages: a missing one of these is a bug, never a missing extra.
@@ -148,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import (connector_bench, cross_node, engine_bench, lookup_bench, metaserver_bench, pd_bench,
-                                  soak, spec_bench, transfer_bench, vllm_reads)
+        from kvpool_bench import (connector_bench, cross_node, disk_bench, engine_bench, lookup_bench,
+                                  metaserver_bench, pd_bench, soak, spec_bench, transfer_bench, vllm_reads)
 
         benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main,
                    "connector": connector_bench.main, "cross-node": cross_node.main, "soak": soak.main,
                    "lookup": lookup_bench.main, "pd": pd_bench.main, "spec": spec_bench.main,
-                   "vllm-reads": vllm_reads.main}
+                   "vllm-reads": vllm_reads.main, "disk": disk_bench.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from kvpool_cli import serve as serve_cli

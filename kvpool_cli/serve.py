@@ -36,6 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-connector", default="", help="connector name, e.g. mooncake; unset = local prefix cache only")
     k.add_argument("--metaserver", default="", help="metaserver HOST:PORT[,HOST:PORT] (for --kv-connector mooncake)")
     k.add_argument("--pool-size", default="", help="this node's DRAM pool, e.g. 4GiB (default 1GiB)")
+    k.add_argument("--pool-disk", default="",
+                   help="directory of this node's disk tier under the DRAM pool (kept across restarts of the "
+                        "same --node-id); off unless --pool-disk-size is set too")
+    k.add_argument("--pool-disk-size", default="", help="size of the disk tier, e.g. 64GiB")
     k.add_argument("--node-id", default="", help="this node's stable id in the pool (default: host-pid)")
     k.add_argument("--kv-role", choices=("producer", "consumer", "both"), default="",
                    help="P/D role (vLLM's kv_producer / kv_consumer / kv_both): a producer saves what it computes "
@@ -84,12 +88,14 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     from engine.kv_connector.config import KVTransferConfig
 
     if not (args.kv_connector or args.kv_transfer_config):
-        if args.metaserver or args.pool_size or args.node_id or args.kv_role:
-            raise ValueError("--metaserver, --pool-size, --node-id and --kv-role need --kv-connector")
+        if args.metaserver or args.pool_size or args.pool_disk or args.pool_disk_size or args.node_id or args.kv_role:
+            raise ValueError("--metaserver, --pool-size, --pool-disk(-size), --node-id and --kv-role need "
+                             "--kv-connector")
         return None
     base = KVTransferConfig.from_json(args.kv_transfer_config) if args.kv_transfer_config else None
     extra = dict(base.kv_connector_extra_config) if base else {}
-    for key, value in (("metaserver", args.metaserver), ("pool_size", args.pool_size), ("node_id", args.node_id)):
+    for key, value in (("metaserver", args.metaserver), ("pool_size", args.pool_size), ("node_id", args.node_id),
+                       ("pool_disk", args.pool_disk), ("pool_disk_size", args.pool_disk_size)):
         if value:
             extra[key] = value
     # The connector's default id, fixed here so that /kv_layout can name it (a router maps the
@@ -100,8 +106,9 @@ def kv_transfer_config(args: argparse.Namespace):  # noqa: ANN201
     url = advertised_url(args)
     if url:
         extra.setdefault("api_url", url)
-    if "pool_size" in extra:
-        parse_size(extra["pool_size"])  # a bad size is a flag error, not a crash later
+    for key in ("pool_size", "pool_disk_size"):
+        if key in extra:
+            parse_size(extra[key])  # a bad size is a flag error, not a crash later
     fields = {"kv_role": base.kv_role, "kv_load_failure_policy": base.kv_load_failure_policy,
               "kv_load_timeout_s": base.kv_load_timeout_s, "kv_load_wait_s": base.kv_load_wait_s} if base else {}
     if args.kv_role:

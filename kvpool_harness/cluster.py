@@ -45,6 +45,9 @@ class ClusterSpec:
     model: str = "smollm2-135m"
     connector: bool = True
     pool_size: str = "1GiB"
+    # Each node's disk tier under its pool ("" = none), in RUN_DIR/<node>-disk: kept across
+    # `kvpool cluster restart`, so a restarted node finds its blocks there.
+    pool_disk_size: str = ""
     engine_args: tuple[str, ...] = ()
     kv_transfer_config: dict | None = None
     router: str = ""                 # a `kvpool router` in front, with this policy ("" = none)
@@ -113,13 +116,16 @@ class LocalCluster:
         threads bind to core `core` (default `i`) modulo the machine's."""
         name = f"{role or 'node'}-{i}"
         log = self.run_dir / f"{name}.log"
+        disk = {"pool_disk": str(self.run_dir / f"{name}-disk"), "pool_disk_size": self.spec.pool_disk_size} \
+            if self.spec.pool_disk_size and self.spec.connector else {}
         if self.spec.engine == "vllm":  # kv_both either way: vLLM's P/D protocol picks the role per request
             return VllmProcess(log, export_model(model=self.spec.model), name, metaserver,
                                cpus=str((i if core is None else core) % (os.cpu_count() or 1)),
-                               pool_size=self.spec.pool_size)
+                               pool_size=self.spec.pool_size, extra_config=disk)
         kv_role = {"prefill": ("--kv-role", "producer"), "decode": ("--kv-role", "consumer")}.get(role, ())
+        disk_args = ("--pool-disk", disk["pool_disk"], "--pool-disk-size", disk["pool_disk_size"]) if disk else ()
         return EngineProcess(log, name, metaserver, model=self.spec.model, pool_size=self.spec.pool_size,
-                             extra_args=(*self.spec.engine_args, *kv_role),
+                             extra_args=(*self.spec.engine_args, *kv_role, *disk_args),
                              kv_transfer_config=self.spec.kv_transfer_config,
                              env=self.spec.node_env)
 
@@ -196,6 +202,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--model", default="smollm2-135m")
     up.add_argument("--run-dir", default="runs/cluster")
     up.add_argument("--pool-size", default="1GiB")
+    up.add_argument("--pool-disk-size", default="",
+                    help="a disk tier of this size under each node's pool, in RUN_DIR/<node>-disk (default none)")
     up.add_argument("--no-connector", action="store_true", help="local prefix caches only (no pool)")
     up.add_argument("--engine-arg", action="append", default=[], help="extra `kvpool serve` argument (repeat)")
     up.add_argument("--timeout", type=float, default=300.0, help="ready deadline in seconds")
@@ -354,7 +362,8 @@ def main(args: argparse.Namespace) -> int:
         return _error(f"a cluster already runs in {run_dir}; `kvpool cluster down` first")
     try:
         spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=not args.no_connector,
-                           pool_size=args.pool_size, engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
+                           pool_size=args.pool_size, pool_disk_size=args.pool_disk_size,
+                           engine_args=tuple(args.engine_arg), ready_timeout_s=args.timeout,
                            router=args.router, pd=_pd(args.pd))
         cluster = LocalCluster(run_dir, spec).up()
     except (RuntimeError, ValueError) as err:

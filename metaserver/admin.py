@@ -126,18 +126,18 @@ def _run(args: argparse.Namespace, client: MetaClient) -> tuple[object, str]:
                  f"etcd               {'healthy' if s.etcd_healthy else 'UNREACHABLE (degraded)'}",
                  f"pending writes     {s.pending_writes}"]
         if s.index.namespaces:
-            lines += ["", _table([[n.namespace, n.num_blocks, n.num_copies] for n in s.index.namespaces],
-                                 ["NAMESPACE", "BLOCKS", "COPIES"])]
+            lines += ["", _table([[n.namespace, n.num_blocks, n.num_copies - n.num_disk_copies, n.num_disk_copies]
+                                  for n in s.index.namespaces], ["NAMESPACE", "BLOCKS", "DRAM COPIES", "DISK COPIES"])]
         return data, "\n".join(lines)
     if cmd == "query":
         r = client.query_prefix(args.namespace, _hashes(args.hashes), args.requester)
         data = {"num_matched": r.num_matched, "locations": [dict(asdict(loc), block_hash=loc.block_hash.hex())
                                                              for loc in r.locations]}
         rows = [[loc.block_hash.hex()[:16], loc.node_id, r.nodes[loc.node_id].session_address, loc.offset,
-                 loc.size_bytes, loc.generation] for loc in r.locations]
+                 loc.size_bytes, loc.generation, loc.medium.name] for loc in r.locations]
         text = f"matched {r.num_matched} of {len(args.hashes)} blocks"
         if rows:
-            text += "\n" + _table(rows, ["HASH", "NODE", "SESSION", "OFFSET", "SIZE", "GENERATION"])
+            text += "\n" + _table(rows, ["HASH", "NODE", "SESSION", "OFFSET", "SIZE", "GENERATION", "MEDIUM"])
         return data, text
     if cmd == "publish":
         recs = [BlockRecord(BlockHash(h), args.offset + i * args.size, args.size, args.generation)

@@ -29,7 +29,7 @@ from metaserver.auth import SESSION_KEY
 from metaserver.credentials import ClientSecurity
 from metaserver.errors import MetaError, NotFound, Unavailable, from_rpc_error
 from metaserver.store import node_from_pb, record_to_pb
-from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NamespaceStats,
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Medium, Namespace, NamespaceStats,
                               NodeRecord, QueryResult)
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse, sparse:
     answer that knows nothing past the first gap."""
     nodes = [node_from_pb(n) for n in resp.nodes]
     index = resp.chain_index or range(len(resp.node_index))
-    located = [BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen)
-               for i, k, off, size, gen in zip(index, resp.node_index, resp.offsets, resp.sizes_bytes,
-                                               resp.generations, strict=True)]
+    media = resp.media or [0] * len(resp.node_index)  # empty: all DRAM
+    located = [BlockLocation(BlockHash(hashes[i]), nodes[k].node_id, off, size, gen, Medium(m))
+               for i, k, off, size, gen, m in zip(index, resp.node_index, resp.offsets, resp.sizes_bytes,
+                                                  resp.generations, media, strict=True)]
     by_node = {n.node_id: n for n in nodes}
     if not sparse or not located:
         return QueryResult(tuple(located), by_node)
@@ -144,14 +145,15 @@ class MetaClient:
     # ---- node lifecycle -------------------------------------------------------------
 
     def register_node(self, node_id: str, session_address: str, buffer_address: int, capacity_bytes: int,
-                      layout_fingerprint: str, lease_ttl_s: int = 0, api_url: str = "") -> Registration:
+                      layout_fingerprint: str, lease_ttl_s: int = 0, api_url: str = "",
+                      stage_address: str = "") -> Registration:
         """Register (or replace this client's registration of) `node_id`; its new session
         token is kept for the node's later calls. `api_url`: the node's engine API, announced
         to routers (`kvpool router --discover`)."""
         resp = self._rpc("RegisterNode", pb.RegisterNodeRequest(
             node_id=node_id, session_address=session_address, buffer_address=buffer_address,
             capacity_bytes=capacity_bytes, layout_fingerprint=layout_fingerprint, lease_ttl_s=lease_ttl_s,
-            api_url=api_url),
+            api_url=api_url, stage_address=stage_address),
             node_id=node_id)
         with self._lock:
             self._sessions[node_id] = resp.session_token
@@ -241,7 +243,8 @@ class MetaClient:
 
     def stats(self) -> ServerStats:
         r = self._rpc("Stats", pb.StatsRequest())
-        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies) for n in r.namespaces)
+        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies, n.num_disk_copies)
+                   for n in r.namespaces)
         return ServerStats(IndexStats(r.num_nodes, r.num_blocks, r.num_copies, ns), r.queries, r.query_blocks,
                            r.query_hit_blocks, r.published_blocks, r.etcd_healthy, r.pending_writes, r.replica_id)
 
@@ -263,11 +266,12 @@ class NodeSession:
 
     def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
                  capacity_bytes: int, layout_fingerprint: str, holdings: Callable[[], Sequence[BlockRecord]],
-                 lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "") -> None:
+                 lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "",
+                 stage_address: str = "") -> None:
         self.client = client
         self.node_id = node_id
         self._args = (node_id, session_address, buffer_address, capacity_bytes, layout_fingerprint, lease_ttl_s,
-                      api_url)
+                      api_url, stage_address)
         self._holdings = holdings
         self._publish_batch = publish_batch
         self.registration: Registration | None = None

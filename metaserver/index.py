@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import cast
 
 from metaserver.feed import IndexFeed, Kind
-from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace,
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Medium, Namespace,
                               NamespaceStats, NodeId, NodeRecord, QueryResult)
 
 
@@ -94,7 +94,7 @@ class BlockIndex:
         node = self.nodes.get(node_id)
         if node is None:
             return False
-        loc = BlockLocation(rec.block_hash, node_id, rec.offset, rec.size_bytes, rec.generation)
+        loc = BlockLocation(rec.block_hash, node_id, rec.offset, rec.size_bytes, rec.generation, rec.medium)
         holders = self._blocks.setdefault(node.namespace, {}).setdefault(rec.block_hash, {})
         if self.feed is not None and holders.get(node_id) != loc:  # a change seen twice is sent once
             self.feed.append(node.namespace, Kind.ADD, node_id, rec)
@@ -155,8 +155,10 @@ class BlockIndex:
         """The longest prefix of `chain` present in `namespace`, one location per block; with
         `sparse`, also every other block of `chain` present (`QueryResult.held`).
 
-        A block is served from the requester's own copy when it has one; otherwise from the
-        holder that has been handed out least so far (ties: the previous block's source, so
+        A block is served from the requester's own copy when it has one (in DRAM or on its
+        disk); otherwise from the DRAM holder that has been handed out least so far; failing
+        that, from a holder of a DISK copy that stages (the reader asks it to promote the
+        block into DRAM first: not in registered memory, a disk copy is never read one-sidedly) (ties: the previous block's source, so
         chains stay on one node and batch well). Suspect nodes (`mark_suspect`) are not
         offered: a block held only by them ends the match, as a missing block does (sparse:
         it is a gap). Side effect: the chosen sources' load counters grow (sparse: for every
@@ -195,10 +197,23 @@ class BlockIndex:
                     continue
             if len(holders) == 1:  # the common case, kept short
                 ((chosen, loc),) = holders.items()
+                if loc.medium and chosen != requester and not self.nodes[chosen].stage_address:
+                    if not sparse:  # another node's disk, which it does not stage: unreadable
+                        break
+                    append(None)
+                    continue
             elif requester in holders:
                 chosen, loc = requester, holders[requester]  # type: ignore[index]
             else:
-                chosen = min(holders, key=lambda n: (load[n], n != prev, n))
+                # DRAM copies, else DISK copies whose holder stages them (kvpool.stage).
+                sources = ([n for n, c in holders.items() if not c.medium]
+                           or [n for n in holders if self.nodes[n].stage_address])
+                if not sources:
+                    if not sparse:
+                        break
+                    append(None)
+                    continue
+                chosen = min(sources, key=lambda n: (load[n], n != prev, n))
                 loc = holders[chosen]
             if chosen != requester:
                 load[chosen] += 1
@@ -270,7 +285,9 @@ class BlockIndex:
 
     def stats(self) -> IndexStats:
         per_ns = tuple(
-            NamespaceStats(ns, len(m), sum(len(h) for h in m.values())) for ns, m in sorted(self._blocks.items())
+            NamespaceStats(ns, len(m), sum(len(h) for h in m.values()),
+                           sum(loc.medium == Medium.DISK for h in m.values() for loc in h.values()))
+            for ns, m in sorted(self._blocks.items())
         )
         return IndexStats(
             num_nodes=len(self.nodes),

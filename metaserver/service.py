@@ -35,7 +35,7 @@ from metaserver.etcd import EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFoun
 from metaserver.feed import IndexFeed
 from metaserver.index import BlockIndex
 from metaserver.store import Change, DurableStore, Snapshot
-from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Namespace, NodeId, NodeRecord,
+from metaserver.types import (BlockHash, BlockLocation, BlockRecord, IndexStats, Medium, Namespace, NodeId, NodeRecord,
                               QueryResult)
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ class MetaService:
 
     async def register_node(self, node_id: str, session_address: str, buffer_address: int,
                             capacity_bytes: int, namespace: str, lease_ttl_s: int,
-                            proof: str | None = None, api_url: str = "") -> tuple[NodeRecord, str]:
+                            proof: str | None = None, api_url: str = "",
+                            stage_address: str = "") -> tuple[NodeRecord, str]:
         """(Re-)register a node under a new lease; returns it and its new session token.
         `api_url` ("" or http(s)://HOST:PORT) is where its engine serves, for routers.
 
@@ -255,6 +256,8 @@ class MetaService:
             raise InvalidArgument("layout_fingerprint is required (at most 256 characters)")
         if api_url and (len(api_url) > _MAX_ID_LEN or not _API_URL.fullmatch(api_url)):
             raise InvalidArgument(f"api_url must be empty or http(s)://HOST:PORT, got {_show(api_url)}")
+        if stage_address and (len(stage_address) > _MAX_ID_LEN or ":" not in stage_address):
+            raise InvalidArgument(f"stage_address must be empty or HOST:PORT, got {_show(stage_address)}")
         ttl = lease_ttl_s or self.config.default_lease_ttl_s
         if not 1 <= ttl <= self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease_ttl_s must be in 1..{self.config.max_lease_ttl_s}, got {lease_ttl_s}")
@@ -273,7 +276,7 @@ class MetaService:
                 await self.store.etcd.lease_revoke(old.lease_id)
             node = NodeRecord(NodeId(node_id), session_address, buffer_address, capacity_bytes,
                               Namespace(namespace), lease_id, granted, api_url=api_url,
-                              session_digest=session_digest(token))
+                              session_digest=session_digest(token), stage_address=stage_address)
             await self.store.write_node(node)
         except EtcdError as err:
             if isinstance(err, EtcdUnavailable):
@@ -341,7 +344,9 @@ class MetaService:
             raise FailedPrecondition(f"node {node_id!r} is draining; it cannot publish")
         self._check_hashes([r.block_hash for r in records], self.config.max_publish_batch, "publish")
         for i, r in enumerate(records):
-            if r.size_bytes <= 0 or r.offset < 0 or r.offset + r.size_bytes > node.capacity_bytes:
+            # A DISK copy's offset is in the node's disk tier, which only the node reads.
+            limit = node.capacity_bytes if r.medium == Medium.DRAM else 1 << 62
+            if r.size_bytes <= 0 or r.offset < 0 or r.offset + r.size_bytes > limit:
                 raise InvalidArgument(
                     f"publish: block #{i} (offset {r.offset}, size {r.size_bytes}) is outside the node's "
                     f"{node.capacity_bytes}-byte pool")

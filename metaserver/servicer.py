@@ -32,7 +32,7 @@ from metaserver.errors import InvalidArgument, MetaError, Unavailable
 from metaserver.feed import encode_changes, encode_snapshot
 from metaserver.service import MetaService
 from metaserver.store import node_to_pb, record_from_pb
-from metaserver.types import Namespace, NodeRecord, QueryResult
+from metaserver.types import Medium, Namespace, NodeRecord, QueryResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,7 +59,8 @@ def query_response(result: QueryResult) -> pb.QueryPrefixResponse:
         num_matched=len(result.locations), nodes=[node_info(n) for n in result.nodes.values()],
         node_index=[order[loc.node_id] for loc in locs], offsets=[loc.offset for loc in locs],
         sizes_bytes=[loc.size_bytes for loc in locs], generations=[loc.generation for loc in locs],
-        chain_index=chain_index)
+        chain_index=chain_index,
+        media=[int(loc.medium) for loc in locs] if any(loc.medium for loc in locs) else [])
 
 
 def _call(context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
@@ -139,7 +140,8 @@ class MetaServicer:
                      caller: Caller) -> pb.RegisterNodeResponse:
         node, session_token = _call(context, lambda: self._on_loop(self.service.register_node(
             request.node_id, request.session_address, request.buffer_address, request.capacity_bytes,
-            request.layout_fingerprint, request.lease_ttl_s, caller.node_session, request.api_url)))
+            request.layout_fingerprint, request.lease_ttl_s, caller.node_session, request.api_url,
+            request.stage_address)))
         return pb.RegisterNodeResponse(lease_id=node.lease_id, lease_ttl_s=node.lease_ttl_s,
                                        session_token=session_token)
 
@@ -157,6 +159,11 @@ class MetaServicer:
 
     def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext,
                 caller: Caller) -> pb.PublishResponse:
+        media = {int(m) for m in Medium}
+        bad = next((i for i, b in enumerate(request.blocks) if b.medium not in media), None)
+        if bad is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"publish: block #{bad} has unknown medium {request.blocks[bad].medium}")
         records = [record_from_pb(b) for b in request.blocks]
         n = _call(context, lambda: self.service.publish(request.node_id, records, caller.node_session))
         return pb.PublishResponse(num_published=n)
@@ -260,7 +267,8 @@ class MetaServicer:
         c = self.service.counters
         return pb.StatsResponse(
             num_nodes=s.num_nodes, num_blocks=s.num_blocks, num_copies=s.num_copies,
-            namespaces=[pb.NamespaceStats(namespace=n.namespace, num_blocks=n.num_blocks, num_copies=n.num_copies)
+            namespaces=[pb.NamespaceStats(namespace=n.namespace, num_blocks=n.num_blocks, num_copies=n.num_copies,
+                                          num_disk_copies=n.num_disk_copies)
                         for n in s.namespaces],
             queries=c.queries, query_blocks=c.query_blocks, query_hit_blocks=c.query_hit_blocks,
             published_blocks=c.published_blocks, etcd_healthy=self.service.store.healthy,

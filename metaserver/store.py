@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
 from metaserver.config import MetaServerConfig
 from metaserver.etcd import Delete, EtcdClient, EtcdError, EtcdUnavailable, LeaseNotFound, Op, Put, WatchEvent
-from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Medium, Namespace, NodeId, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +76,24 @@ def node_to_pb(node: NodeRecord, *, stored: bool = False) -> pb.NodeInfo:
                        buffer_address=node.buffer_address, capacity_bytes=node.capacity_bytes,
                        layout_fingerprint=node.namespace, lease_id=node.lease_id,
                        lease_ttl_s=node.lease_ttl_s, draining=node.draining, api_url=node.api_url,
+                       stage_address=node.stage_address,
                        session_digest=node.session_digest if stored else b"")
 
 
 def record_to_pb(rec: BlockRecord | BlockLocation) -> pb.BlockRecord:
     """A block record (or one copy's location: the same fields but the holder) as BlockRecord."""
     return pb.BlockRecord(block_hash=rec.block_hash, offset=rec.offset, size_bytes=rec.size_bytes,
-                          generation=rec.generation)
+                          generation=rec.generation, medium=int(rec.medium))
 
 
 def record_from_pb(msg: pb.BlockRecord) -> BlockRecord:
-    return BlockRecord(BlockHash(msg.block_hash), msg.offset, msg.size_bytes, msg.generation)
+    return BlockRecord(BlockHash(msg.block_hash), msg.offset, msg.size_bytes, msg.generation, Medium(msg.medium))
 
 
 def node_from_pb(msg: pb.NodeInfo) -> NodeRecord:
     return NodeRecord(NodeId(msg.node_id), msg.session_address, msg.buffer_address, msg.capacity_bytes,
                       Namespace(msg.layout_fingerprint), msg.lease_id, msg.lease_ttl_s, msg.draining,
-                      msg.api_url, msg.session_digest)
+                      msg.api_url, msg.session_digest, msg.stage_address)
 
 
 class KeyCodec:
@@ -112,7 +113,7 @@ class KeyCodec:
     @staticmethod
     def block_value(namespace: str, rec: BlockRecord) -> bytes:
         return pb.StoredBlock(namespace=namespace, offset=rec.offset, size_bytes=rec.size_bytes,
-                              generation=rec.generation).SerializeToString()
+                              generation=rec.generation, medium=int(rec.medium)).SerializeToString()
 
     def decode(self, key: bytes, value: bytes, is_put: bool, lease: int) -> Change | None:
         if key.startswith(self.nodes):
@@ -125,7 +126,7 @@ class KeyCodec:
             block = None
             if is_put:
                 sb = pb.StoredBlock.FromString(value)
-                block = BlockRecord(block_hash, sb.offset, sb.size_bytes, sb.generation)
+                block = BlockRecord(block_hash, sb.offset, sb.size_bytes, sb.generation, Medium(sb.medium))
             return Change(is_put, node_id, lease, block_hash=block_hash, block=block)
         return None
 

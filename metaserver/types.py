@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)  # chained prefix hash of one full KV block
@@ -25,6 +26,13 @@ class NodeRecord:
     # SHA-256 of the registration's session token (metaserver.auth); b"" when unknown
     # (records that came over RPC never carry it).
     session_digest: bytes = field(default=b"", repr=False)
+    stage_address: str = ""   # HOST:PORT of its stage service (kvpool.stage); "" = none
+
+
+class Medium(IntEnum):
+    """Where a node holds a block (proto kvpool.v1.Medium)."""
+    DRAM = 0   # its pool's registered buffer: other nodes read it one-sidedly
+    DISK = 1   # its disk tier (kvpool.disk): only the holder reads it
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +43,7 @@ class BlockRecord:
     offset: int        # slot offset from the node's buffer_address, bytes
     size_bytes: int    # bytes to read (slot header + payload)
     generation: int    # slot generation at publish time; the reader validates it
+    medium: Medium = Medium.DRAM  # DISK: offset and generation are the disk slot's
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,7 @@ class BlockLocation:
     offset: int
     size_bytes: int
     generation: int
+    medium: Medium = Medium.DRAM  # DISK: read by its holder; others have it staged first
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,7 @@ class NamespaceStats:
     namespace: Namespace
     num_blocks: int   # distinct hashes
     num_copies: int   # (hash, node) pairs
+    num_disk_copies: int = 0  # of those, in a node's disk tier
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,16 @@ ENGINE_STATS: dict[str, Stat] = {
     "pool_blocks": _gauge("Blocks held in this node's pool"),
     "pool_slots": _gauge("Slots in this node's pool"),
     "pool_publishing": _gauge("1 while blocks put are not yet sent to the metaserver"),
+    # the pool's disk tier (kvpool.disk; all 0 without one)
+    "pool_disk_enabled": _gauge("1 while this node's disk tier is on (0 after an I/O error turned it off)"),
+    "pool_disk_blocks": _gauge("Blocks held in this node's disk tier"),
+    "pool_disk_writes": _counter("Blocks written to the disk tier (evicted from DRAM)"),
+    "pool_disk_hits": _counter("Blocks read from the disk tier and validated"),
+    "pool_disk_failed_reads": _counter("Disk tier reads that did not validate (torn, stale or foreign slots)"),
+    "pool_disk_evictions": _counter("Disk tier slots reused by LRU eviction"),
+    "pool_disk_errors": _counter("Disk tier I/O errors (each turns the tier off)"),
+    "pool_disk_dropped_writes": _counter("Evicted blocks not written to disk: the writer's queue was full"),
+    "pool_disk_staged": _counter("Disk tier blocks promoted into DRAM for other nodes' reads"),
 }
 
 # `engine.server.memory.memory_stats()`: levels, exposed as `kvpool:process_<key>`.

@@ -123,3 +123,17 @@ def test_cluster_up_vllm_pd(tmp_path: Path) -> None:
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
     assert down.returncode == 0
+
+
+def test_cluster_nodes_get_a_disk_tier_each(tmp_path: Path) -> None:
+    """`kvpool cluster up --pool-disk-size`: each node serves with its own directory under
+    the run dir (kept across restarts); none without the size or without the pool."""
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster
+
+    node = LocalCluster(tmp_path, ClusterSpec(pool_disk_size="1GiB"))._node(1, "127.0.0.1:1")
+    cmd = node.command()
+    assert cmd[cmd.index("--pool-disk") + 1] == str(tmp_path / "node-1-disk")
+    assert cmd[cmd.index("--pool-disk-size") + 1] == "1GiB"
+    assert "--pool-disk" not in LocalCluster(tmp_path, ClusterSpec())._node(0, "127.0.0.1:1").command()
+    assert "--pool-disk" not in LocalCluster(tmp_path, ClusterSpec(pool_disk_size="1GiB", connector=False)) \
+        ._node(0, "").command()

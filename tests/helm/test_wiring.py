@@ -524,3 +524,30 @@ def test_pd_groups_run_their_roles_behind_a_pd_router() -> None:
 def test_router_is_off_by_default() -> None:
     r = render()
     assert not r.has("Deployment", name("router")) and not r.has("Service", name("router"))
+
+
+def test_pool_disk_volume_and_flags() -> None:
+    """engine.poolDisk: no disk tier by default; with a size, `--pool-disk` names the mounted
+    volume (emptyDir, or each pod's own sub-directory of a hostPath / claim, which outlives
+    the pod) and `--pool-disk-size` parses as the engine parses it."""
+    default = pod_spec(render().find("StatefulSet", name("engine")))
+    assert "--pool-disk" not in default["containers"][0]["args"]
+    assert not [v for v in default["volumes"] if v["name"] == "pool-disk"]
+
+    for sets, source in ((("engine.poolDisk.size=64GiB",), {"emptyDir": {}}),
+                         (("engine.poolDisk.size=64GiB", "engine.poolDisk.type=hostPath",
+                           "engine.poolDisk.hostPath=/mnt/nvme/kvpool"),
+                          {"hostPath": {"path": "/mnt/nvme/kvpool", "type": "DirectoryOrCreate"}}),
+                         (("engine.poolDisk.size=64GiB", "engine.poolDisk.type=persistentVolumeClaim",
+                           "engine.poolDisk.claimName=kv-disk"), {"persistentVolumeClaim": {"claimName": "kv-disk"}})):
+        spec = pod_spec(render((), sets).find("StatefulSet", name("engine")))
+        c = spec["containers"][0]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "pool-disk"]
+        assert {k: v for k, v in vol.items() if k != "name"} == source
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "pool-disk"]
+        assert flag(c["args"], "--pool-disk") == mount["mountPath"]
+        assert parse_size(flag(c["args"], "--pool-disk-size")) == 64 << 30
+        assert mount.get("subPathExpr") == (None if "emptyDir" in source else "$(POD_NAME)")
+    assert "engine.poolDisk.hostPath is required" in render_error("engine.poolDisk.size=1GiB",
+                                                                  "engine.poolDisk.type=hostPath")
+    assert "engine.poolDisk.size: Does not match pattern" in render_error("engine.poolDisk.size=lots")

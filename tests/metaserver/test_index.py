@@ -2,7 +2,8 @@
 from metaserver.client import _query_result
 from metaserver.index import BlockIndex
 from metaserver.servicer import query_response
-from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.store import KeyCodec, record_from_pb, record_to_pb
+from metaserver.types import BlockHash, BlockRecord, Medium, Namespace, NodeId, NodeRecord
 
 NS = Namespace("model-a")
 
@@ -164,3 +165,42 @@ def test_a_prefix_answer_stands_for_a_sparse_one_that_knows_nothing_past_the_gap
     old = _query_result(chain, query_response(prefix), sparse=True)
     assert old.locations == prefix.locations and old.run_from(0) == prefix.locations and old.run_from(3) == ()
     assert _query_result(chain, query_response(idx.query(NS, [h(9)], sparse=True)), sparse=True).num_held == 0
+
+
+def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
+    """Another node's DISK block is not in registered memory: not offered to other nodes
+    unless its holder stages it (then after any DRAM copy). Its holder gets it (it reads its
+    own disk), and a DRAM copy elsewhere is offered instead."""
+    idx = BlockIndex()
+    for n in "ab":
+        idx.upsert_node(node(n))
+    publish(idx, "a", [0])
+    for i in (1, 2):
+        assert idx.add_block(NodeId("a"), BlockRecord(h(i), i * 4096, 64, 3, Medium.DISK))
+    publish(idx, "b", [2])
+    chain = [h(i) for i in range(3)]
+    mine = idx.query(NS, chain, requester=NodeId("a"))
+    assert [(loc.node_id, loc.medium) for loc in mine.locations] == [("a", Medium.DRAM), ("a", Medium.DISK),
+                                                                     ("a", Medium.DISK)]
+    theirs = idx.query(NS, chain, requester=NodeId("b"))
+    assert theirs.num_matched == 1 and theirs.locations[0].medium == Medium.DRAM
+    sparse = idx.query(NS, chain, requester=NodeId("c"), sparse=True)
+    assert [loc and (loc.node_id, loc.medium) for loc in sparse.held] == [("a", Medium.DRAM), None,
+                                                                          ("b", Medium.DRAM)]
+    # over the wire, and through etcd's stored value
+    assert _query_result(chain, query_response(mine), sparse=False) == mine
+    rec = BlockRecord(h(1), 4096, 64, 3, Medium.DISK)
+    assert record_from_pb(record_to_pb(rec)) == rec
+    change = KeyCodec("/kv/").decode(b"/kv/blocks/a/" + h(1).hex().encode(), KeyCodec.block_value(NS, rec), True, 1)
+    assert change is not None and change.block == rec
+    stats = idx.stats().namespaces[0]
+    assert stats.num_copies == 4 and stats.num_disk_copies == 2
+
+    # A holder that stages (kvpool.stage) is offered for its disk copies, after any DRAM copy.
+    from dataclasses import replace
+
+    idx.upsert_node(replace(idx.nodes[NodeId("a")], stage_address="127.0.0.1:9"))
+    theirs = idx.query(NS, chain, requester=NodeId("b"))
+    assert [(loc.node_id, loc.medium) for loc in theirs.locations] == [("a", Medium.DRAM), ("a", Medium.DISK),
+                                                                       ("b", Medium.DRAM)]
+    assert _query_result(chain, query_response(theirs), sparse=False).nodes["a"].stage_address == "127.0.0.1:9"

@@ -122,6 +122,12 @@ the metaserver's client fails over between addresses, and refuses DNS names in a
 {{- else if eq $mv.type "hostPath" -}}
 {{- $_ := required "engine.modelVolume.hostPath is required when engine.modelVolume.type=hostPath" $mv.hostPath -}}
 {{- end -}}
+{{- $pd := .Values.engine.poolDisk -}}
+{{- if and $pd.size (eq $pd.type "persistentVolumeClaim") -}}
+{{- $_ := required "engine.poolDisk.claimName is required when engine.poolDisk.type=persistentVolumeClaim" $pd.claimName -}}
+{{- else if and $pd.size (eq $pd.type "hostPath") -}}
+{{- $_ := required "engine.poolDisk.hostPath is required when engine.poolDisk.type=hostPath" $pd.hostPath -}}
+{{- end -}}
 {{- if and .Values.pd.enabled (not .Values.router.enabled) -}}
 {{- fail "pd.enabled needs router.enabled: the router is the front door that sends each request to a prefill node, then to a decode node" -}}
 {{- end -}}

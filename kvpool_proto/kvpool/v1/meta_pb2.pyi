@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAM: _ClassVar[Medium]
+    DISK: _ClassVar[Medium]
+DRAM: Medium
+DISK: Medium
+
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest", "api_url")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_id", "lease_ttl_s", "draining", "num_blocks", "session_digest", "api_url", "stage_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +27,7 @@ class NodeInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_DIGEST_FIELD_NUMBER: _ClassVar[int]
     API_URL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -30,22 +39,25 @@ class NodeInfo(_message.Message):
     num_blocks: int
     session_digest: bytes
     api_url: str
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ..., api_url: _Optional[str] = ...) -> None: ...
+    stage_address: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_s: _Optional[int] = ..., draining: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., session_digest: _Optional[bytes] = ..., api_url: _Optional[str] = ..., stage_address: _Optional[str] = ...) -> None: ...
 
 class BlockRecord(_message.Message):
-    __slots__ = ("block_hash", "offset", "size_bytes", "generation")
+    __slots__ = ("block_hash", "offset", "size_bytes", "generation", "medium")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     offset: int
     size_bytes: int
     generation: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    medium: Medium
+    def __init__(self, block_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s", "api_url")
+    __slots__ = ("node_id", "session_address", "buffer_address", "capacity_bytes", "layout_fingerprint", "lease_ttl_s", "api_url", "stage_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUFFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +65,7 @@ class RegisterNodeRequest(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     API_URL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     session_address: str
     buffer_address: int
@@ -60,7 +73,8 @@ class RegisterNodeRequest(_message.Message):
     layout_fingerprint: str
     lease_ttl_s: int
     api_url: str
-    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ..., api_url: _Optional[str] = ...) -> None: ...
+    stage_address: str
+    def __init__(self, node_id: _Optional[str] = ..., session_address: _Optional[str] = ..., buffer_address: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., lease_ttl_s: _Optional[int] = ..., api_url: _Optional[str] = ..., stage_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("lease_id", "lease_ttl_s", "session_token")
@@ -141,7 +155,7 @@ class QueryPrefixRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., requester_node_id: _Optional[str] = ..., sparse: _Optional[bool] = ...) -> None: ...
 
 class QueryPrefixResponse(_message.Message):
-    __slots__ = ("num_matched", "nodes", "node_index", "offsets", "sizes_bytes", "generations", "chain_index")
+    __slots__ = ("num_matched", "nodes", "node_index", "offsets", "sizes_bytes", "generations", "chain_index", "media")
     NUM_MATCHED_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +163,7 @@ class QueryPrefixResponse(_message.Message):
     SIZES_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     num_matched: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     node_index: _containers.RepeatedScalarFieldContainer[int]
@@ -156,7 +171,8 @@ class QueryPrefixResponse(_message.Message):
     sizes_bytes: _containers.RepeatedScalarFieldContainer[int]
     generations: _containers.RepeatedScalarFieldContainer[int]
     chain_index: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., chain_index: _Optional[_Iterable[int]] = ...) -> None: ...
+    media: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_matched: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., node_index: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes_bytes: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ..., chain_index: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QueryPrefixBatchRequest(_message.Message):
     __slots__ = ("queries",)
@@ -285,14 +301,16 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "num_blocks", "num_copies")
+    __slots__ = ("namespace", "num_blocks", "num_copies", "num_disk_copies")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_COPIES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     num_blocks: int
     num_copies: int
-    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ...) -> None: ...
+    num_disk_copies: int
+    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_disk_copies: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_nodes", "num_blocks", "num_copies", "namespaces", "queries", "query_blocks", "query_hit_blocks", "published_blocks", "etcd_healthy", "pending_writes", "replica_id")
@@ -331,13 +349,15 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
 
 class StoredBlock(_message.Message):
-    __slots__ = ("namespace", "offset", "size_bytes", "generation")
+    __slots__ = ("namespace", "offset", "size_bytes", "generation", "medium")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     offset: int
     size_bytes: int
     generation: int
-    def __init__(self, namespace: _Optional[str] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    medium: Medium
+    def __init__(self, namespace: _Optional[str] = ..., offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
