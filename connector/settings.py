@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from connector.save_policy import check_policy
@@ -46,12 +46,36 @@ def default_node_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+# kv_connector_extra_config keys whose name is not their field's (every other key is its
+# field's name; TransferConfig's fields are keys too).
+RENAMED = {"pool_size_bytes": "pool_size", "tls_ca_file": "metaserver_tls_ca", "tls_cert_file": "metaserver_tls_cert",
+           "tls_key_file": "metaserver_tls_key", "token_file": "metaserver_token_file", "disk_dir": "pool_disk",
+           "disk_size_bytes": "pool_disk_size"}
+_UNSET = object()
+
+
+def config_key(field_name: str) -> str:
+    """The kv_connector_extra_config key of a settings field."""
+    return RENAMED.get(field_name, field_name)
+
+
+def _convert(f: Field, raw: Any) -> Any:  # noqa: ANN401 - free-form JSON
+    """A key's JSON value as its field's type (sizes: "4GiB" or bytes)."""
+    if f.name.endswith("_bytes"):
+        return parse_size(raw)
+    return {"int": int, "float": float, "bool": _flag, "str": str}[str(f.type)](raw)
+
+
 @dataclass(frozen=True)
 class PoolConnectorSettings:
-    metaserver: str                    # HOST:PORT[,HOST:PORT] of the metadata servers
-    node_id: str                       # this node's stable id in the pool
-    pool_size_bytes: int               # this node's DRAM pool
-    transfer: TransferConfig           # the transfer engine's protocol, metadata mode, timeouts
+    """Every key of `kv_connector_extra_config` is a field here (named as `config_key` says),
+    its default the field's: the one place defaults are written (README's "Configuration
+    reference" is checked against these fields by a test)."""
+
+    metaserver: str = ""               # HOST:PORT[,HOST:PORT] of the metadata servers (required)
+    node_id: str = ""                  # this node's stable id in the pool ("": this host and process)
+    pool_size_bytes: int = 1 << 30     # this node's DRAM pool
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # protocol, metadata mode, timeouts
     lease_ttl_s: int = 10              # node lease in the metaserver
     read_timeout_s: float = 10.0       # a pool read not finished by then fails (capped by kv_load_timeout_s)
     rpc_timeout_s: float = 5.0         # deadline of the metaserver client's RPCs
@@ -76,37 +100,18 @@ class PoolConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
-        """From `KVTransferConfig.extra`; ValueError with a one-line message for a bad value."""
-        metaserver = extra("metaserver", "")
-        if not metaserver:
+        """From `KVTransferConfig.extra`; ValueError with a one-line message for a bad value.
+        A key that is not given takes its field's default."""
+        if not extra("metaserver", ""):
             raise ValueError("the mooncake connector needs kv_connector_extra_config.metaserver (HOST:PORT)")
         try:
-            transfer = TransferConfig(protocol=extra("protocol", "tcp"),
-                                      metadata_server=extra("metadata_server", "P2PHANDSHAKE"),
-                                      device_name=extra("device_name", ""),
-                                      local_hostname=extra("local_hostname", "127.0.0.1"),
-                                      transfer_timeout_s=int(extra("transfer_timeout_s", 20)),
-                                      progress_timeout_s=int(extra("progress_timeout_s", 10)))
-            return cls(metaserver=str(metaserver), node_id=str(extra("node_id", "") or default_node_id()),
-                       pool_size_bytes=parse_size(extra("pool_size", "1GiB")), transfer=transfer,
-                       lease_ttl_s=int(extra("lease_ttl_s", 10)),
-                       read_timeout_s=min(float(extra("read_timeout_s", 10.0)), load_timeout_s),
-                       rpc_timeout_s=float(extra("rpc_timeout_s", 5.0)),
-                       query_timeout_s=float(extra("query_timeout_s", 1.0)),
-                       lookup_deadline_s=float(extra("lookup_deadline_s", 0.1)),
-                       suspect_s=float(extra("suspect_s", 5.0)),
-                       lookup_view=_flag(extra("lookup_view", True)),
-                       view_stale_s=float(extra("view_stale_s", 2.0)),
-                       async_saves=_flag(extra("async_saves", True)),
-                       save_queue_blocks=int(extra("save_queue_blocks", 256)),
-                       save_policy=str(extra("save_policy", "write_through")),
-                       save_seen_blocks=int(extra("save_seen_blocks", 65536)),
-                       debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
-                       tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
-                       tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""),
-                       api_url=str(extra("api_url", "")),
-                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)),
-                       disk_dir=str(extra("pool_disk", "")), disk_size_bytes=parse_size(extra("pool_disk_size", 0)))
+            transfer = TransferConfig(**{f.name: _convert(f, raw) for f in fields(TransferConfig)
+                                         if (raw := extra(f.name, _UNSET)) is not _UNSET})
+            values = {f.name: _convert(f, raw) for f in fields(cls)
+                      if f.name != "transfer" and (raw := extra(config_key(f.name), _UNSET)) is not _UNSET}
+            values["node_id"] = values.get("node_id") or default_node_id()
+            values["read_timeout_s"] = min(values.get("read_timeout_s", cls.read_timeout_s), load_timeout_s)
+            return cls(transfer=transfer, **values)
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 
