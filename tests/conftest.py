@@ -1,9 +1,12 @@
 """Shared fixtures: a real etcd and real metaserver processes on free loopback ports."""
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +23,32 @@ def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout_s}s")
         time.sleep(interval_s)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """`n` ordinary token ids of the model's vocabulary, seeded (a prompt of its own)."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def out_ids(body: dict) -> list[int]:
+    """The generated token ids of a completion answered with `return_token_ids`."""
+    return body["choices"][0]["token_ids"]
+
+
+@contextmanager
+def running(procs: dict[str, Any], timeout_s: float) -> Iterator[dict[str, Any]]:
+    """Start every process (models load in parallel), wait until each is ready, and stop them
+    all at the end, whatever happened."""
+    try:
+        for p in procs.values():
+            p.start()
+        for p in procs.values():
+            p.wait_ready(timeout_s=timeout_s)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ off: what B computes on its own).
 """
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ import pytest
 from kvpool.layout import slot_bytes_for
 from kvpool_harness.engine_node import EngineProcess
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
-from tests.conftest import wait_for
+from tests.conftest import out_ids, running, tokens, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,24 +41,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine
                                                     "kv_connector_extra_config": {"debug_load_delay_s": 3}}),
             "C": EngineProcess(run / "C.log", "node-c", extra_args=ENGINE_ARGS),
         }
-        try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=300)
+        with running(procs, 300):
             yield procs
-        finally:
-            for p in procs.values():
-                p.stop()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
-def out_ids(body: dict) -> list[int]:
-    return body["choices"][0]["token_ids"]
 
 
 def wait_published(node: EngineProcess, at_least: int) -> None:

@@ -13,7 +13,6 @@ output is compared with, token for token (greedy).
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +22,7 @@ from kvpool.layout import slot_bytes_for
 from kvpool_harness.engine_node import EngineProcess
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.client import MetaClient
-from tests.conftest import wait_for
+from tests.conftest import out_ids, running, tokens, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +33,6 @@ USER_BLOCKS = 8                          # each conversation: block 0 (the syste
 CONVERSATIONS = 5                        # per node: 1 + 5 * 8 saves > 32 slots, so block 0 is evicted
 ENGINE_ARGS = ("--kv-cache-bytes", "256MiB", "--max-num-batched-tokens", "512", "--threads", "1")
 SYSTEM = 1                               # the seed of the system prompt's tokens
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def conversation(seed: int) -> list[int]:
@@ -54,19 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str
         procs = {"A": EngineProcess(run / "A.log", "node-a", ms.address, pool_size=pool, extra_args=ENGINE_ARGS),
                  "B": EngineProcess(run / "B.log", "node-b", ms.address, pool_size=pool, extra_args=ENGINE_ARGS),
                  "C": EngineProcess(run / "C.log", "node-c", extra_args=ENGINE_ARGS)}
-        try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=300)
+        with running(procs, 300):
             yield procs, ms.address
-        finally:
-            for p in procs.values():
-                p.stop()
-
-
-def out_ids(body: dict) -> list[int]:
-    return body["choices"][0]["token_ids"]
 
 
 def test_a_hot_first_block_stays_and_the_blocks_behind_a_lost_one_are_still_pulled(

@@ -11,7 +11,6 @@ through the hand-off (P's send), not through a lookup of a shared prefix.
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +20,7 @@ from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.router_node import RouterProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
 from metaserver.client import MetaClient
-from tests.conftest import wait_for
+from tests.conftest import running, tokens, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # three vLLM servers start in the first test
 
@@ -41,20 +40,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                  "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="0-1")}
         client = MetaClient(ms.address)
         try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=400)
-            yield {**procs, "client": client}
+            with running(procs, 400):
+                yield {**procs, "client": client}
         finally:
             client.close()
-            for p in procs.values():
-                p.stop()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def completion(node: VllmProcess, body: dict) -> dict:

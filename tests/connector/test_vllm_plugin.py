@@ -8,7 +8,6 @@ vLLM is installed by `make test` (scripts/install_vllm.sh); these tests are neve
 from __future__ import annotations
 
 import os
-import random
 import re
 import subprocess
 import threading
@@ -21,7 +20,7 @@ from kvpool_harness.engine_node import EngineProcess
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.vllm_node import ROOT, VLLM_VENV, VllmProcess, export_model
 from metaserver.client import MetaClient
-from tests.conftest import wait_for
+from tests.conftest import running, tokens, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # five vLLM servers start in the first test
 
@@ -82,20 +81,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         }
         client = MetaClient(ms.address)
         try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=400)
-            yield {**procs, "client": client, "run": run}
+            with running(procs, 400):
+                yield {**procs, "client": client, "run": run}
         finally:
             client.close()
-            for p in procs.values():
-                p.stop()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def vllm_blocks(client: MetaClient, vllm: bool = True) -> int:
@@ -107,8 +96,6 @@ def node_blocks(client: MetaClient, node_id: str) -> int:
     """Blocks the index holds for one node: unlike a sum over the index, it does not fall when
     another node's lease expires (a node killed by an earlier test)."""
     return sum(n for record, n in client.list_nodes() if record.node_id == node_id)
-
-
 
 
 def test_b_loads_a_prefix_from_a_pool_and_answers_like_vllm_alone(cluster: dict) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import random
 import signal
 import threading
 import time
@@ -34,7 +33,7 @@ from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.client import MetaClient, ServerStats
 from metaserver.errors import MetaError
 from metaserver.types import BlockHash, NodeRecord
-from tests.conftest import wait_for
+from tests.conftest import tokens, wait_for
 
 BS = 16                   # tokens per block (the engine's default)
 PREFIX_BLOCKS = 6         # a shared prefix: 6 full blocks
@@ -49,9 +48,6 @@ B_LEASE_TTL_S = 30
 NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def prompt_pair(seed: int) -> tuple[list[int], list[int]]:
