@@ -12,6 +12,10 @@ the connector holds at its end answers only once the connector reports its send 
 (its KV is where a decode node can read it), with the params reported then; past
 `load_timeout_s` it answers without them (a decode node then computes the prompt itself).
 
+Every call the scheduler makes to the connector goes through here (arrival, lookups, the
+step's metadata, waiting on lookups), so this is the one seam between them. `clock` is
+injectable: timeout tests advance it instead of sleeping.
+
 Not thread-safe: owned by the scheduler, on the engine loop.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
@@ -26,8 +31,8 @@ from engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from engine.block_pool import KVBlock
     from engine.kv_cache_manager import KVCacheManager
-    from engine.kv_connector.base import KVConnectorBase_V1
-    from engine.step import KVConnectorOutput
+    from engine.kv_connector.base import KVConnectorBase_V1, KVConnectorMetadata
+    from engine.step import KVConnectorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,9 @@ class RemoteKV:
     """Lookups through the connector and the bookkeeping of loads in flight."""
 
     def __init__(self, connector: KVConnectorBase_V1, kv: KVCacheManager, failure_policy: str,
-                 load_timeout_s: float) -> None:
+                 load_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.connector = connector
+        self.clock = clock
         self.kv = kv
         self.failure_policy = failure_policy
         self.load_timeout_s = load_timeout_s
@@ -54,6 +60,18 @@ class RemoteKV:
         self._sent: list[Request] = []            # sends finished (or given up): to answer now
         self.remote_hit_tokens = 0                # prompt tokens loaded (counter)
         self.failed_load_blocks = 0               # blocks whose load failed (counter)
+
+    def on_new_request(self, req: Request) -> None:
+        """A request arrived (its block hashes known): the connector may start its lookup."""
+        self.connector.on_new_request(req)
+
+    def build_meta(self, out: SchedulerOutput) -> KVConnectorMetadata:
+        """The connector's metadata for the step `out` describes."""
+        return self.connector.build_connector_meta(out)
+
+    def wait_for_lookups(self, timeout_s: float) -> None:
+        """Nothing to run but lookups in flight: wait on them (up to `timeout_s`), not spin."""
+        self.connector.wait_for_lookups(timeout_s)
 
     @property
     def num_loading(self) -> int:
@@ -71,7 +89,7 @@ class RemoteKV:
 
     def take_sent(self) -> list[Request]:
         """Requests whose held answer may go out now (send finished or timed out)."""
-        now = time.monotonic()
+        now = self.clock()
         for rid, (req, since) in list(self._sending.items()):
             if now - since > self.load_timeout_s:
                 log.warning("%s: its KV was not sent within %g s; answering without transfer params", rid,
@@ -104,7 +122,7 @@ class RemoteKV:
             req.num_cached_tokens = num_cached
         req.num_external_tokens = num_external
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self._started[req.request_id] = time.monotonic()
+        self._started[req.request_id] = self.clock()
         return True
 
     def claim(self, req: Request) -> tuple[LoadState, str]:
@@ -113,7 +131,7 @@ class RemoteKV:
         on FAILED the second value says why (the caller ends the request)."""
         rid = req.request_id
         if rid not in self._reported:
-            if time.monotonic() - self._started[rid] > self.load_timeout_s:
+            if self.clock() - self._started[rid] > self.load_timeout_s:
                 return LoadState.FAILED, (f"loading {req.num_external_tokens} tokens of KV timed out after "
                                           f"{self.load_timeout_s:g} s")
             return LoadState.LOADING, ""
@@ -167,7 +185,7 @@ class RemoteKV:
         req.kv_transfer_params_out = params
         if hold and req.status is not RequestStatus.FINISHED_ABORTED and (req.kv_transfer_params or {}).get(
                 "do_remote_decode"):
-            self._sending[rid] = (req, time.monotonic())
+            self._sending[rid] = (req, self.clock())
         if rid in self._reported:  # its load is over but was not claimed yet
             self._reported.discard(rid)
             self._started.pop(rid, None)

@@ -101,7 +101,7 @@ class Scheduler:
         self.waiting.append(request)
         if self.remote is not None:  # hashes now, so the connector can start its lookup at arrival
             self.kv.update_hashes(request)
-            self.remote.connector.on_new_request(request)
+            self.remote.on_new_request(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -268,7 +268,7 @@ class Scheduler:
             started = self._load_ahead()
             if started:
                 out.loads_to_wait, out.load_wait_s = started, self.config.kv_load_wait_s
-                out.kv_connector_metadata = remote.connector.build_connector_meta(out)
+                out.kv_connector_metadata = remote.build_meta(out)
                 return out
         if self.speculator is not None:  # after load-ahead: a step that computes nothing drafts nothing
             self.speculator.propose(self.running)
@@ -277,11 +277,11 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if remote is not None:
             out.block_tables = {s.request.request_id: self.kv.block_ids(s.request.request_id) for s in out.scheduled}
-            out.kv_connector_metadata = remote.connector.build_connector_meta(out)
+            out.kv_connector_metadata = remote.build_meta(out)
             if not out.scheduled and (remote.num_loading or remote.num_sending):
                 out.loads_to_wait, out.load_wait_s = remote.loading_ids(), IDLE_LOAD_WAIT_S
             elif not out.scheduled and self._asked_later:  # only lookups in flight: wait on them, not spin
-                remote.connector.wait_for_lookups(IDLE_LOAD_WAIT_S)
+                remote.wait_for_lookups(IDLE_LOAD_WAIT_S)
         self._asked_later = False
         return out
 

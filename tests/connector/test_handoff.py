@@ -5,7 +5,6 @@ whole path with real nodes, pools and a router is in tests/router/test_pd_e2e.py
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -94,12 +93,15 @@ def test_a_producers_answer_waits_for_its_send_and_carries_its_params() -> None:
 
 
 def test_a_send_that_never_reports_is_answered_without_params_at_the_timeout() -> None:
-    sched, _, _ = make(timeout_s=0.2)
+    sched, _, _ = make(timeout_s=30.0)
+    now = [1000.0]
+    sched.remote.clock = lambda: now[0]
     sched.remote.connector = Producer()
     a = Request("a", list(range(9)), SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True})
     sched.add_request(a)
     assert finish_step(sched, sched.schedule()) == []
-    time.sleep(0.3)
+    assert finish_step(sched, sched.schedule()) == []      # held: its send has not reported
+    now[0] += 30.5
     outputs = finish_step(sched, sched.schedule())
     assert [(o.request_id, o.finished, o.kv_transfer_params) for o in outputs] == [("a", True, None)]
 

@@ -5,7 +5,6 @@ scheduler, the KV cache manager and the block pool whose bookkeeping these tests
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -157,14 +156,19 @@ def test_abort_after_the_load_reported_frees_at_once() -> None:
     sched, conn, pool = make()
     a = parked(sched, conn, "a")
     finish_step(sched, SchedulerOutput(), report=KVConnectorOutput(finished_recving={"a"}))
-    sched.abort_request("a")
+    assert sched.abort_request("a") is a and a.status is RequestStatus.FINISHED_ABORTED
     assert pool.num_free == pool.num_blocks and not sched.has_unfinished()
 
 
 def test_a_load_that_never_reports_times_out() -> None:
-    sched, conn, pool = make(timeout_s=0.05)
+    """The remote-KV phase's clock is advanced past the timeout (no sleep a slow machine outlives)."""
+    sched, conn, pool = make(timeout_s=30.0)
+    now = [1000.0]
+    sched.remote.clock = lambda: now[0]
     a = parked(sched, conn, "a")
-    time.sleep(0.1)
+    step(sched)
+    assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS    # 0 s of 30: still loading
+    now[0] += 30.5
     step(sched)
     assert a.status is RequestStatus.FINISHED_ERROR and "timed out" in (a.error or "")
     assert pool.num_free == pool.num_blocks - 4  # the transfer may still land: held until reported
