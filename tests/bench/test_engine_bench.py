@@ -72,17 +72,19 @@ def test_a_node_is_never_started_twice(tmp_path: Path) -> None:
 
 
 def test_served_engines_get_a_short_openmp_spin_and_vllm_keeps_its_default(tmp_path: Path) -> None:
-    """`kvpool` sets GOMP_SPINCOUNT (unless the user did) before torch loads; a vLLM server the
+    """`kvpool` sets GOMP_SPINCOUNT (unless the user did) as it starts, before torch loads (not
+    at import: no environment writes at import); a vLLM server the
     harness starts does not inherit it, while one the user set passes through."""
     from kvpool_harness.processes import ChildProcess
 
     env = {k: v for k, v in os.environ.items() if not k.endswith("GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", "import kvpool_cli.main, os; print(os.environ['GOMP_SPINCOUNT'])"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "50000"
-    out = subprocess.run([sys.executable, "-c", "import kvpool_cli.main, os; print(os.environ['GOMP_SPINCOUNT'])"],
-                         env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "7"
+    probe = ("import os, kvpool_cli.main as m\nprint(os.environ.get('GOMP_SPINCOUNT'))\n"  # importing sets nothing
+             "m.default_spin_count()\nprint(os.environ['GOMP_SPINCOUNT'])")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["None", "50000"]
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.split() == ["7", "7"]
     (tmp_path / "envprobe.py").write_text("import os\nprint(os.environ.get('GOMP_SPINCOUNT'), os.environ['X'])\n")
     child = ChildProcess(tmp_path / "c.log")
     child.spawn([], module="envprobe", env={"X": "1", "GOMP_SPINCOUNT": "9", "PYTHONPATH": str(tmp_path)},
