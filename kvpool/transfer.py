@@ -26,6 +26,11 @@ class TransferError(Exception):
 
 @dataclass(frozen=True)
 class TransferConfig:
+    """The transfer engine's settings. Its timeouts reach the binding through the process's
+    environment (MC_TRANSFER_TIMEOUT, MC_TCP_PROGRESS_TIMEOUT_SEC, and MC_TCP_BIND_ADDRESS in
+    etcd mode), which `TransferEngine` sets from these fields as it is created: the binding
+    reads them then, once per process, so every engine of a process shares them."""
+
     protocol: str = "tcp"                  # "tcp" here; "rdma" where the hardware has it
     metadata_server: str = "P2PHANDSHAKE"  # or "etcd://HOST:PORT", "http://HOST:PORT/metadata"
     device_name: str = ""                  # RDMA devices, comma-separated; "" = auto
