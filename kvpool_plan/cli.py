@@ -168,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         try:
             reqs = build_requests(rows, profile.block_size, tpi, max_prompt, max_output, scale)
+        except (ValueError, TypeError, KeyError) as err:
+            raise BadInput(f"--trace {args.trace}: {err}") from None
+        try:
             cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile)
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
