@@ -125,14 +125,14 @@ def report(s: dict) -> str:
 
 
 def table(rows: list[dict], key: str) -> str:
-    head = (f"{key:>10} {'hit':>6} {'local':>6} {'pool':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
+    head = (f"{key:>12} {'hit':>6} {'local':>6} {'pool':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
             f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'moved':>10} {'wall':>6}")
     out = [head]
     for s in rows:
-        val = {"nodes": s["nodes"], "pool": _gib(s["pool_slots_per_node"] and s["_pool_bytes"]),
+        val = {"nodes": s["nodes"], "pool": _gib(s["_pool_bytes"]),
                "kv-cache": _gib(s["_kv_cache_bytes"]), "policy": s["policy"]}[key]
         o = [_pct(s[k]) if k in s else "     -" for k in ("oracle_infinite", "oracle_lru", "oracle_belady")]
-        out.append(f"{val!s:>10} {_pct(s['hit_rate'])} {_pct(s['hit_rate_local'])} {_pct(s['hit_rate_pool'])} "
+        out.append(f"{val!s:>12} {_pct(s['hit_rate'])} {_pct(s['hit_rate_local'])} {_pct(s['hit_rate_pool'])} "
                    f"{o[0]} {o[1]} {o[2]} {s['ttft_p50_s']:8.3f}s {s['ttft_p99_s']:6.2f}s "
                    f"{1000 * s['tpot_p50_s']:7.1f}ms {_gib(s['bytes_moved']):>10} {s['_wall_s']:5.1f}s")
     return "\n".join(out)
