@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--first-request", default="0", help="first trace row replayed")
     p.add_argument("--max-requests", default="0", help="rows replayed (0: to the end)")
     p.add_argument("--time-scale", default="1.0", help="multiply arrival times by this (0.5: twice the rate)")
+    p.add_argument("--concurrency", default="0",
+                   help="a closed loop of this many requests in flight instead of the trace's arrival times "
+                        "(as `kvpool bench cross-node` without --time-scale); 0 = arrival times")
     p.add_argument("--sweep", default="", help="KEY=V1,V2,...: one run per value (nodes, pool, kv-cache, policy)")
     p.add_argument("--no-oracles", action="store_true", help="skip the LRU / Belady oracles (faster)")
     p.add_argument("--json", default="", help="write the report (every run) to this file")
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     max_output = _int("--max-output-tokens", args.max_output_tokens)
     first = _int("--first-request", args.first_request)
     limit = _int("--max-requests", args.max_requests)
+    concurrency = _int("--concurrency", args.concurrency)
     try:
         scale = float(args.time_scale)
     except ValueError:
@@ -174,13 +178,13 @@ def run(args: argparse.Namespace) -> int:
             cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile)
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
-        s = summarize(simulate(reqs, cfg), with_oracles=not args.no_oracles)
+        s = summarize(simulate(reqs, cfg, concurrency), with_oracles=not args.no_oracles)
         s.update({"_wall_s": time.perf_counter() - t0, "_pool_bytes": c["pool_bytes"],
                   "_kv_cache_bytes": c["kv_cache_bytes"]})
         results.append(s)
         if not args.sweep:
             print(report(s))
-            print(f"(replayed in {s['_wall_s']:.1f} s)")
+            print(f"(replayed in {s['_wall_s']:.2f} s)")
     if args.sweep:
         print(f"{len(rows)} requests, profile {profile.name}; sweep of {args.sweep.partition('=')[0]}")
         print(table(results, args.sweep.partition("=")[0]))

@@ -220,6 +220,8 @@ class Simulator:
         self.link_bytes: dict[tuple[str, str], int] = {}
         self._events: list[tuple[float, int, int, SimNode | None, SimRequest]] = []
         self._seq = itertools.count()
+        self._pending: deque[SimRequest] = deque()  # closed loop: requests not sent yet
+        self._now = 0.0
 
     # ---- the pools --------------------------------------------------------------------
 
@@ -241,9 +243,17 @@ class Simulator:
     def _push(self, t: float, kind: int, node: SimNode | None, req: SimRequest) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, node, req))
 
-    def run(self, requests: Sequence[SimRequest]) -> SimResult:
-        for r in requests:
-            self._push(r.arrival_s, _ARRIVE, None, r)
+    def run(self, requests: Sequence[SimRequest], concurrency: int = 0) -> SimResult:
+        """Arrivals at the requests' times; with `concurrency`, a closed loop instead (as
+        `kvpool bench cross-node` without --time-scale): that many requests in flight, in
+        trace order, the next sent when one ends."""
+        if concurrency:
+            self._pending = deque(requests)
+            for _ in range(min(concurrency, len(requests))):
+                self._release(0.0)
+        else:
+            for r in requests:
+                self._push(r.arrival_s, _ARRIVE, None, r)
         now = 0.0
         events = self._events
         while events:
@@ -255,10 +265,16 @@ class Simulator:
                 self._first_token(now, node, req)
             else:
                 assert node is not None
+                self._now = now
                 self._finish(node, req)
         pools = [n.pool for n in self.nodes if n.pool is not None]
         return SimResult(list(requests), self.cfg, self.link_bytes, sum(p.evictions for p in pools),
                          sum(p.puts for p in pools), now)
+
+    def _release(self, now: float) -> None:
+        req = self._pending.popleft()
+        req.arrival_s = now
+        self._push(now, _ARRIVE, None, req)
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         chain = Chain(req.hashes, req.num_tokens)  # type: ignore[arg-type]
@@ -348,11 +364,14 @@ class Simulator:
         b = node.backend
         b.in_flight -= 1
         b.decoding -= 1
+        if self._pending:
+            self._release(self._now)
 
 
-def simulate(requests: Sequence[SimRequest], cfg: SimConfig) -> SimResult:
-    """Replay `requests` (fresh ones: the replay fills them in) on a new simulated cluster."""
-    return Simulator(cfg).run(requests)
+def simulate(requests: Sequence[SimRequest], cfg: SimConfig, concurrency: int = 0) -> SimResult:
+    """Replay `requests` (fresh ones: the replay fills them in) on a new simulated cluster;
+    `concurrency`: a closed loop of that many requests in flight (`Simulator.run`)."""
+    return Simulator(cfg).run(requests, concurrency)
 
 
 # ---- the report ---------------------------------------------------------------------------

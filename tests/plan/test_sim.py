@@ -140,3 +140,12 @@ def test_the_public_trace_on_16_nodes_is_quick_and_below_its_oracles() -> None:
 def test_percentile() -> None:
     assert percentile([], 50) == 0
     assert percentile([3, 1, 2], 50) == 2 and percentile(list(range(1, 101)), 99) == 100
+
+
+def test_a_closed_loop_sends_the_next_request_when_one_ends() -> None:
+    """Concurrency 1: the second request is sent when the first has ended (its prefill
+    0.12 s, then 2 decode steps of 0.1 s), whatever the trace's times say."""
+    reqs = build_requests(rows((0, [1, 2, 3], 3), (0, [5, 6, 7], 1)), P.block_size, tokens_per_hash_id=4)
+    res = simulate(reqs, SimConfig(2, BIG, BIG, "round-robin", P), concurrency=1)
+    assert [r.arrival_s for r in res.requests] == [0, pytest.approx(0.32)]
+    assert ttft(res) == [0.12, 0.12]
