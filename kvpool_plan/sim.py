@@ -27,11 +27,12 @@ without hashing tokens; `tests/plan` checks it against the token-level oracle). 
 blocks are new to every request (a model's output is not in the trace).
 
 Simplifications of this first version (each a place where the real cluster may differ):
-- a node runs one prefill at a time, first come first served; prefill time depends on the
-  tokens it computes only (no batching of prefills, no chunked prefill);
-- decode does not slow prefills and takes no node time from them; a request's TPOT is the
-  profile's step time at the node's decode batch when its first token comes, held for its
-  whole output;
+- a node runs engine steps one after another; a step prefills at most one prompt (the next
+  queued, first come first served), whole (no chunked prefill, no batch of prompts), and
+  gives every request already generating there one token: it costs the prompt's load and
+  prefill (by the tokens it computes) plus the decode step at that batch. So prefills
+  stall decodes and decodes slow prefills, as in a mixed batch; TPOT is (end - first
+  token) / (output tokens - 1);
 - the lookup is made when the prefill starts (the connector looks up at arrival; a block
   evicted in between is a failed read there, a miss here); a load is `latency + bytes /
   link rate` of the reader's link (own-pool blocks at the memcpy rate), parallel sources
@@ -40,7 +41,8 @@ Simplifications of this first version (each a place where the real cluster may d
   be evicted from it while they decode; the engine would keep them);
 - no disk tier yet.
 
-TTFT = queueing + load + prefill; the report states per-tier hits in prompt tokens, as
+TTFT = queueing (earlier prompts, the step under way) + load + prefill (+ the decode step
+it shares); the report states per-tier hits in prompt tokens, as
 `kvpool bench cross-node` counts them.
 """
 from __future__ import annotations
@@ -84,7 +86,9 @@ class SimRequest:
     computed_tokens: int = 0
     start_s: float = 0.0
     first_token_s: float = 0.0
-    tpot_s: float = 0.0
+    end_s: float = 0.0
+    tpot_s: float = 0.0             # (end - first token) / (output tokens - 1)
+    left: int = 0                   # output tokens still to generate
 
 
 def build_requests(rows: Sequence[dict], block_size: int, tokens_per_hash_id: int = 16, max_prompt_tokens: int = 0,
@@ -171,8 +175,11 @@ class SimNode:
         self.kv: OrderedDict = OrderedDict()
         self.kv_cap = cfg.kv_blocks
         self.pool = PoolLRU(cfg.pool_slots, cfg.evict_batch) if cfg.pool_slots else None
-        self.queue: deque[SimRequest] = deque()
-        self.busy = False
+        self.queue: deque[SimRequest] = deque()     # waiting for their prefill
+        self.decoding: list[SimRequest] = []         # generating
+        self.busy = False                            # a step is under way
+        self.prefill: SimRequest | None = None       # the step's prefill
+        self.batch: list[SimRequest] = []            # the step's decode batch
 
     def kv_prefix(self, hashes: Sequence) -> int:
         kv = self.kv
@@ -202,7 +209,7 @@ class SimResult:
     end_s: float = 0.0
 
 
-_ARRIVE, _FIRST_TOKEN, _FINISH = 0, 1, 2
+_ARRIVE, _STEP_DONE = 0, 1
 
 
 class Simulator:
@@ -258,15 +265,13 @@ class Simulator:
         events = self._events
         while events:
             now, _, kind, node, req = heapq.heappop(events)
+            self._now = now
             if kind == _ARRIVE:
+                assert req is not None
                 self._arrive(now, req)
-            elif kind == _FIRST_TOKEN:
-                assert node is not None
-                self._first_token(now, node, req)
             else:
                 assert node is not None
-                self._now = now
-                self._finish(node, req)
+                self._step_done(now, node)
         pools = [n.pool for n in self.nodes if n.pool is not None]
         return SimResult(list(requests), self.cfg, self.link_bytes, sum(p.evictions for p in pools),
                          sum(p.puts for p in pools), now)
@@ -290,12 +295,39 @@ class Simulator:
         req.node = node.i
         node.queue.append(req)
         if not node.busy:
-            self._start(now, node)
+            self._step(now, node)
 
-    def _start(self, now: float, node: SimNode) -> None:
-        """The node's next queued request starts: lookup, load, prefill."""
-        req = node.queue.popleft()
+    def _step(self, now: float, node: SimNode) -> None:
+        """The node's next engine step: the next queued prompt's load and prefill (if one
+        waits) and a token for each request generating there; idle if there is neither."""
+        if not node.queue and not node.decoding:
+            node.busy = False
+            return
         node.busy = True
+        dur = 0.0
+        node.prefill = None
+        if node.queue:
+            node.prefill = node.queue.popleft()
+            dur += self._load_and_prefill(now, node, node.prefill)
+        node.batch = list(node.decoding)
+        if node.batch:
+            dur += self.profile.decode_step_s(len(node.batch))
+        self._push(now + dur, _STEP_DONE, node, None)
+
+    def _step_done(self, now: float, node: SimNode) -> None:
+        if node.batch:
+            for r in node.batch:
+                r.left -= 1
+                if not r.left:
+                    self._finish(now, node, r)
+            node.decoding = [r for r in node.decoding if r.left]
+        if node.prefill is not None:
+            self._first_token(now, node, node.prefill)
+        self._step(now, node)
+
+    def _load_and_prefill(self, now: float, node: SimNode, req: SimRequest) -> float:
+        """Look `req` up as the connector does, count its hits and pulls; its load and
+        prefill time."""
         bs = self.bs
         end = (req.num_tokens - 1) // bs  # the block holding the last token is always computed
         chain = req.hashes[:end]
@@ -323,8 +355,7 @@ class Simulator:
         req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
         req.computed_tokens = req.num_tokens - (local + own + remote) * bs
         req.start_s = now
-        done = now + self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
-        self._push(done, _FIRST_TOKEN, node, req)
+        return self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
 
     def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence | None) -> None:
         """The connector's Recency rule: a local hit touches its blocks in the node's pool and
@@ -350,14 +381,16 @@ class Simulator:
         b.prefilling -= req.choice.compute_tokens
         b.decoding += 1
         b.predicted_hit_tokens += req.choice.predicted_hit_tokens
-        steps = req.output_tokens - 1
-        req.tpot_s = self.profile.decode_step_s(b.decoding) if steps else 0.0
-        self._push(now + steps * req.tpot_s, _FINISH, node, req)
-        node.busy = False
-        if node.queue:
-            self._start(now, node)
+        if req.output_tokens > 1:
+            req.left = req.output_tokens - 1
+            node.decoding.append(req)
+        else:
+            self._finish(now, node, req)
 
-    def _finish(self, node: SimNode, req: SimRequest) -> None:
+    def _finish(self, now: float, node: SimNode, req: SimRequest) -> None:
+        req.end_s = now
+        if req.output_tokens > 1:
+            req.tpot_s = (now - req.first_token_s) / (req.output_tokens - 1)
         if req.out_hashes:
             node.kv_insert(req.out_hashes)
             self._save(node, req.out_hashes)
@@ -365,7 +398,7 @@ class Simulator:
         b.in_flight -= 1
         b.decoding -= 1
         if self._pending:
-            self._release(self._now)
+            self._release(now)
 
 
 def simulate(requests: Sequence[SimRequest], cfg: SimConfig, concurrency: int = 0) -> SimResult:

@@ -149,3 +149,14 @@ def test_a_closed_loop_sends_the_next_request_when_one_ends() -> None:
     res = simulate(reqs, SimConfig(2, BIG, BIG, "round-robin", P), concurrency=1)
     assert [r.arrival_s for r in res.requests] == [0, pytest.approx(0.32)]
     assert ttft(res) == [0.12, 0.12]
+
+
+def test_prefill_and_decode_share_the_node() -> None:
+    """A generates 3 tokens: first at 0.12, then decode steps of 0.1 s. B arrives at 0.15,
+    in A's step, and waits for it (0.22); its prefill step carries A's last decode token
+    (0.12 + 0.1 s): both at 0.44. B's TTFT 0.29; A's TPOT (0.44 - 0.12) / 2."""
+    res = run([(0, [1, 2, 3], 3), (0.15, [5, 6, 7], 1)])
+    a, b = res.requests
+    assert ttft(res) == [0.12, 0.29]
+    assert b.start_s == pytest.approx(0.22)
+    assert a.end_s == pytest.approx(0.44) and a.tpot_s == pytest.approx(0.16)
