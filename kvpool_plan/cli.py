@@ -11,6 +11,7 @@ one row per value. Bad input: one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -34,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--policy", default="round-robin", help=f"routing: {', '.join(POLICIES)}")
     p.add_argument("--model-profile", default="cpu-smollm2-135m",
                    help="profile JSON file, or a shipped one: cpu-smollm2-135m, h100-llama3.1-8b")
+    p.add_argument("--block-size", default="0",
+                   help="tokens per simulated block (default: the profile's, the engine's); coarser blocks "
+                        "replay faster (e.g. 512 = one block per hash id of a full-size trace), hits counted at "
+                        "that granularity")
     p.add_argument("--tokens-per-hash-id", default="16", help="tokens each trace hash id becomes (default 16)")
     p.add_argument("--max-prompt-tokens", default="0", help="cut prompts here (0: no cut)")
     p.add_argument("--max-output-tokens", default="0", help="cap output lengths (0: the trace's)")
@@ -155,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"--time-scale must be a number, got {args.time_scale!r}") from None
     if not scale >= 0:
         raise BadInput(f"--time-scale must be >= 0, got {args.time_scale}")
+    block_size = _int("--block-size", args.block_size)
     try:
         profile = load_profile(args.model_profile)
+        if block_size:
+            profile = dataclasses.replace(profile, block_size=block_size)
     except ValueError as err:
         raise BadInput(str(err)) from None
     try:

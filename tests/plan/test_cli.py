@@ -39,6 +39,8 @@ def test_a_sweep_of_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     (["--sweep", "gpus=1,2"], "--sweep must be KEY=V1"),
     (["--model-profile", "/nonexistent.json"], "model profile /nonexistent.json"),
     (["--time-scale", "-1"], "--time-scale must be >= 0"),
+    (["--block-size", "-16"], "--block-size must be >= 0"),
+    (["--concurrency", "x"], "--concurrency must be an integer"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], extra: list[str], says: str) -> None:
     assert main(BASE + extra) == 2
@@ -72,3 +74,15 @@ def test_a_bad_profile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     p.write_text(json.dumps({"block_size": 16}))
     assert main(BASE + ["--model-profile", str(p)]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_coarser_blocks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One block per hash id (16 tokens): the profile's block size is replaced."""
+    out = tmp_path / "plan.json"
+    assert main(BASE + ["--block-size", "16", "--tokens-per-hash-id", "16", "--json", str(out)]) == 0
+    fine = json.loads(out.read_text())["runs"][0]
+    assert main(BASE + ["--block-size", "64", "--tokens-per-hash-id", "64", "--max-prompt-tokens", "1024",
+                        "--json", str(out)]) == 0
+    coarse = json.loads(out.read_text())["runs"][0]
+    assert coarse["prompt_tokens"] == 4 * fine["prompt_tokens"]
+    assert coarse["kv_cache_blocks_per_node"] * 4 == fine["kv_cache_blocks_per_node"]
