@@ -338,8 +338,8 @@ class Simulator:
             run = res.run_from(local)
             if local:
                 self._refresh(node, chain[:local], res.held)
-        elif local:
-            self._refresh(node, chain[:local], None)
+        # (a prompt whose every block that can hit is a local hit refreshes nothing: the
+        # connector's num_matched_tokens returns before it plans the refresh)
         own = remote = 0
         bb = self.profile.block_bytes
         links = self.link_bytes
@@ -357,16 +357,13 @@ class Simulator:
         req.start_s = now
         return self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
 
-    def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence | None) -> None:
+    def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence) -> None:
         """The connector's Recency rule: a local hit touches its blocks in the node's pool and
         saves again those the index held nowhere at lookup time."""
         if node.pool is None:
             return
         node.pool.touch(hashes)
-        if held is None:  # no lookup was needed: ask the index what it holds of them
-            lacking = [h for h, p in zip(hashes, self.index.present(NAMESPACE, hashes)) if not p]
-        else:
-            lacking = [h for j, h in enumerate(hashes) if j >= len(held) or held[j] is None]
+        lacking = [h for j, h in enumerate(hashes) if j >= len(held) or held[j] is None]
         if lacking:
             self._save(node, lacking)
 

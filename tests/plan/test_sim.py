@@ -160,3 +160,24 @@ def test_prefill_and_decode_share_the_node() -> None:
     assert ttft(res) == [0.12, 0.29]
     assert b.start_s == pytest.approx(0.22)
     assert a.end_s == pytest.approx(0.44) and a.tpot_s == pytest.approx(0.16)
+
+
+def test_local_hits_refresh_the_pool() -> None:
+    """The connector's Recency rule on a 3-slot pool freeing one slot at a time: a local hit
+    touches its blocks in the node's pool (so a later save evicts others), and a local-hit
+    block the index holds nowhere is saved again."""
+    from kvpool_plan.sim import Simulator
+
+    def h(i: int) -> int:  # the name of hash id i's (only) block: 4 tokens per id and block
+        return i * 4 + 3
+
+    specs = [(0, [1, 2, 3], 1), (1, [1, 2, 4, 5], 1), (2, [1, 2, 6, 7], 1)]
+    sim = Simulator(SimConfig(1, BIG, 3 * slot_bytes_for(P.block_bytes), "round-robin", P, evict_batch=1))
+    sim.run(build_requests(rows(*specs[:2]), 4, 4))
+    # request 1: local hit 1, 2 touched -> [3, 1, 2]; its saves 4, 5 evict 3 and 1
+    assert sim.nodes[0].pool.blocks() == [h(2), h(4), h(5)]
+    sim = Simulator(SimConfig(1, BIG, 3 * slot_bytes_for(P.block_bytes), "round-robin", P, evict_batch=1))
+    sim.run(build_requests(rows(*specs), 4, 4))
+    # request 2: block 1 is a local hit the index holds nowhere: saved again (evicting 4), then 6, 7
+    assert sim.nodes[0].pool.blocks() == [h(1), h(6), h(7)]
+    assert sim.index.prefix_by_node("plan", [h(1)]) == (1, {"n0": 1})
