@@ -44,8 +44,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 # Our own packages: a missing one of these is a bug, never a missing extra.
-_OURS = {"kvpool_cli", "kvpool_plan", "kvpool_bench", "kvpool_harness", "router", "connector", "engine", "kvpool", "metaserver",
-         "kvpool_proto"}
+_OURS = {"kvpool_cli", "kvpool_plan", "kvpool_bench", "kvpool_harness", "router", "connector", "engine", "kvpool",
+         "metaserver", "kvpool_proto"}
 _MISSING: set[str] = set()  # the commands added without their extra
 
 

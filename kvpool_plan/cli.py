@@ -118,7 +118,8 @@ def report(s: dict) -> str:
         f"pulled {_pct(s['hit_remote_tokens'] / s['prompt_tokens'])})",
     ]
     if "oracle_lru" in s:
-        lines.append(f"oracles             infinite {_pct(s['oracle_infinite'])}, over {s['capacity_blocks']:,} blocks: "
+        lines.append(f"oracles             infinite {_pct(s['oracle_infinite'])}, "
+                     f"over {s['capacity_blocks']:,} blocks: "
                      f"LRU {_pct(s['oracle_lru'])}, Belady {_pct(s['oracle_belady'])}")
     lines += [
         f"TTFT p50 / p99      {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} s  "

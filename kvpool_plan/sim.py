@@ -101,9 +101,9 @@ def build_requests(rows: Sequence[dict], block_size: int, tokens_per_hash_id: in
     reqs = []
     for i, row in enumerate(rows):
         ids = row["hash_ids"]
-        if not isinstance(ids, list) or not all(isinstance(h, int) for h in ids) \
+        if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids) \
                 or not isinstance(row["timestamp"], (int, float)) or not isinstance(row["output_length"], (int, float)):
-            raise ValueError(f"trace row {i + 1}: hash_ids must be a list of integers, timestamp and "
+            raise ValueError(f"trace row {i + 1}: hash_ids must be a list of integers >= 0, timestamp and "
                              "output_length numbers")
         n = len(ids) * tpi
         if max_prompt_tokens:

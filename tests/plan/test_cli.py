@@ -86,3 +86,12 @@ def test_coarser_blocks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     coarse = json.loads(out.read_text())["runs"][0]
     assert coarse["prompt_tokens"] == 4 * fine["prompt_tokens"]
     assert coarse["kv_cache_blocks_per_node"] * 4 == fine["kv_cache_blocks_per_node"]
+
+
+def test_a_sweep_of_pool_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(BASE + ["--sweep", "pool=0,64MiB,1GiB", "--no-oracles"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln.split() for ln in lines[2:]]
+    assert [r[0] for r in rows] == ["0.00", "0.06", "1.00"]
+    hits = [float(r[2].rstrip("%")) for r in rows]
+    assert hits[0] < hits[2]  # a pool helps on 2 nodes

@@ -181,3 +181,13 @@ def test_local_hits_refresh_the_pool() -> None:
     # request 2: block 1 is a local hit the index holds nowhere: saved again (evicting 4), then 6, 7
     assert sim.nodes[0].pool.blocks() == [h(1), h(6), h(7)]
     assert sim.index.prefix_by_node("plan", [h(1)]) == (1, {"n0": 1})
+
+
+def test_time_scale_and_limits() -> None:
+    reqs = build_requests(rows((2, [1, 2, 3], 50)), 4, tokens_per_hash_id=4, max_prompt_tokens=6,
+                          max_output_tokens=5, time_scale=0.5)
+    r = reqs[0]
+    assert (r.arrival_s, r.num_tokens, r.output_tokens, len(r.hashes)) == (1.0, 6, 5, 1)
+    assert len(r.out_hashes) == (6 + 5 - 1) // 4 - 1  # computed 10 tokens: 2 full blocks, 1 of the prompt
+    with pytest.raises(ValueError, match="hash_ids must be"):
+        build_requests(rows((0, [1, -2], 1)), 4)
