@@ -49,8 +49,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 # Our own packages: a missing one of these is a bug, never a missing extra.
-_OURS = {"kvpool_cli", "kvpool_bench", "kvpool_harness", "router", "connector", "engine", "kvpool", "metaserver",
-         "kvpool_proto"}
+_OURS = {"kvpool_cli", "kvpool_plan", "kvpool_bench", "kvpool_harness", "router", "connector", "engine", "kvpool",
+         "metaserver", "kvpool_proto"}
 _MISSING: set[str] = set()  # the commands added without their extra
 
 
@@ -125,11 +125,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         from kvpool_bench import demo
         demo.add_parser(sub)
 
+    def plan() -> None:
+        from kvpool_plan import cli as plan_cli
+        plan_cli.add_parser(sub)
+
     _add_or_explain(sub, ("serve", "generate"), "engine", serve)
     _add_or_explain(sub, ("cluster",), "bench", cluster)
     _add_or_explain(sub, ("router",), "router", router)
     _add_or_explain(sub, ("bench",), "bench", lambda: _add_bench(sub))
     _add_or_explain(sub, ("demo",), "bench", demo)
+    _add_or_explain(sub, ("plan",), "bench", plan)
     metaserver_cli.add_log_level(parser)
     return parser
 
@@ -179,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvpool_bench import demo
 
         return demo.main(args)
+    if args.cmd == "plan":
+        from kvpool_plan import cli as plan_cli
+
+        return plan_cli.main(args)
     return 2
 
 

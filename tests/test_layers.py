@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvpool_cli", "kvpool_bench", "kvpool_harness", "connector", "engine", "kvpool", "metaserver",
+PACKAGES = ("kvpool_cli", "kvpool_plan", "kvpool_bench", "kvpool_harness", "connector", "engine", "kvpool", "metaserver",
             "kvpool_proto")
 
 

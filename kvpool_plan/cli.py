@@ -1,0 +1,211 @@
+"""`kvpool plan`: replay a Mooncake-format trace over N simulated nodes (`kvpool_plan.sim`).
+
+    kvpool plan --trace FILE --nodes 16 --kv-cache 96MiB --pool 1GiB --policy prefix \\
+        --model-profile cpu-smollm2-135m [--sweep nodes=2,4,8,16,32,64] [--json OUT]
+
+Prints the hit rate per tier beside the infinite / LRU / Belady oracles over the same
+capacity (all KV caches and pools together), TTFT and TPOT p50 / p99, and the bytes the
+pools moved between nodes; `--sweep KEY=V1,V2,...` (nodes, pool, kv-cache, policy) prints
+one row per value. Bad input: one line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from kvpool.layout import parse_size
+from kvpool_bench.workloads import load_trace
+from kvpool_plan.profile import load_profile
+from kvpool_plan.sim import SimConfig, build_requests, simulate, summarize
+from router.policy import POLICIES
+
+SWEEP_KEYS = ("nodes", "pool", "kv-cache", "policy")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plan", help="simulate the pool at cluster scale on a trace (issue 43)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    p.add_argument("--nodes", default="2", help="simulated nodes (default 2)")
+    p.add_argument("--kv-cache", default="96MiB", help="each node's engine KV cache, bytes (e.g. 96MiB)")
+    p.add_argument("--pool", default="1GiB", help="each node's pool DRAM, bytes (0: pool off)")
+    p.add_argument("--policy", default="round-robin", help=f"routing: {', '.join(POLICIES)}")
+    p.add_argument("--model-profile", default="cpu-smollm2-135m",
+                   help="profile JSON file, or a shipped one: cpu-smollm2-135m, h100-llama3.1-8b")
+    p.add_argument("--block-size", default="0",
+                   help="tokens per simulated block (default: the profile's, the engine's); coarser blocks "
+                        "replay faster (e.g. 512 = one block per hash id of a full-size trace), hits counted at "
+                        "that granularity")
+    p.add_argument("--tokens-per-hash-id", default="16", help="tokens each trace hash id becomes (default 16)")
+    p.add_argument("--max-prompt-tokens", default="0", help="cut prompts here (0: no cut)")
+    p.add_argument("--max-output-tokens", default="0", help="cap output lengths (0: the trace's)")
+    p.add_argument("--first-request", default="0", help="first trace row replayed")
+    p.add_argument("--max-requests", default="0", help="rows replayed (0: to the end)")
+    p.add_argument("--time-scale", default="1.0", help="multiply arrival times by this (0.5: twice the rate)")
+    p.add_argument("--concurrency", default="0",
+                   help="a closed loop of this many requests in flight instead of the trace's arrival times "
+                        "(as `kvpool bench cross-node` without --time-scale); 0 = arrival times")
+    p.add_argument("--sweep", default="", help="KEY=V1,V2,...: one run per value (nodes, pool, kv-cache, policy)")
+    p.add_argument("--no-oracles", action="store_true", help="skip the LRU / Belady oracles (faster)")
+    p.add_argument("--json", default="", help="write the report (every run) to this file")
+
+
+class BadInput(ValueError):
+    pass
+
+
+def _int(name: str, text: str, low: int = 0) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise BadInput(f"{name} must be an integer, got {text!r}") from None
+    if v < low:
+        raise BadInput(f"{name} must be >= {low}, got {v}")
+    return v
+
+
+def _size(name: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise BadInput(f"{name}: {err}") from None
+
+
+def _policy(text: str) -> str:
+    if text not in POLICIES:
+        raise BadInput(f"--policy must be one of {', '.join(POLICIES)}, got {text!r}")
+    return text
+
+
+def _configs(args: argparse.Namespace) -> list[dict]:
+    base = {"nodes": _int("--nodes", args.nodes, 1), "kv_cache_bytes": _size("--kv-cache", args.kv_cache),
+            "pool_bytes": _size("--pool", args.pool), "policy": _policy(args.policy)}
+    if not args.sweep:
+        return [base]
+    key, sep, values = args.sweep.partition("=")
+    if not sep or key not in SWEEP_KEYS or not values:
+        raise BadInput(f"--sweep must be KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}, got {args.sweep!r}")
+    out = []
+    for v in values.split(","):
+        if key == "nodes":
+            out.append({**base, "nodes": _int("--sweep nodes", v, 1)})
+        elif key == "pool":
+            out.append({**base, "pool_bytes": _size("--sweep pool", v)})
+        elif key == "kv-cache":
+            out.append({**base, "kv_cache_bytes": _size("--sweep kv-cache", v)})
+        else:
+            out.append({**base, "policy": _policy(v)})
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:5.1f}%"
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def report(s: dict) -> str:
+    lines = [
+        f"{s['requests']} requests on {s['nodes']} nodes, {s['policy']}, profile {s['profile']}: "
+        f"KV cache {s['kv_cache_blocks_per_node']} blocks and pool {s['pool_slots_per_node']} slots per node",
+        f"hit rate            {_pct(s['hit_rate'])}  (local {_pct(s['hit_rate_local'])}, "
+        f"pool {_pct(s['hit_rate_pool'])}: own {_pct(s['hit_own_pool_tokens'] / s['prompt_tokens'])}, "
+        f"pulled {_pct(s['hit_remote_tokens'] / s['prompt_tokens'])})",
+    ]
+    if "oracle_lru" in s:
+        lines.append(f"oracles             infinite {_pct(s['oracle_infinite'])}, "
+                     f"over {s['capacity_blocks']:,} blocks: "
+                     f"LRU {_pct(s['oracle_lru'])}, Belady {_pct(s['oracle_belady'])}")
+    lines += [
+        f"TTFT p50 / p99      {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} s  "
+        f"(queueing p50 / p99 {s['queue_p50_s']:.3f} / {s['queue_p99_s']:.3f} s)",
+        f"TPOT p50 / p99      {1000 * s['tpot_p50_s']:.1f} / {1000 * s['tpot_p99_s']:.1f} ms",
+        f"bytes moved         {_gib(s['bytes_moved'])} over {s['links_used']} links (busiest link "
+        f"{_gib(s['link_bytes_max'])}; most into one node {_gib(s['node_in_bytes_max'])}, "
+        f"out of one {_gib(s['node_out_bytes_max'])})",
+        f"pool puts / evictions {s['pool_puts']:,} / {s['pool_evictions']:,}; simulated {s['simulated_s']:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def table(rows: list[dict], key: str) -> str:
+    head = (f"{key:>12} {'hit':>6} {'local':>6} {'pool':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
+            f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'moved':>10} {'wall':>6}")
+    out = [head]
+    for s in rows:
+        val = {"nodes": s["nodes"], "pool": _gib(s["_pool_bytes"]),
+               "kv-cache": _gib(s["_kv_cache_bytes"]), "policy": s["policy"]}[key]
+        o = [_pct(s[k]) if k in s else "     -" for k in ("oracle_infinite", "oracle_lru", "oracle_belady")]
+        out.append(f"{val!s:>12} {_pct(s['hit_rate'])} {_pct(s['hit_rate_local'])} {_pct(s['hit_rate_pool'])} "
+                   f"{o[0]} {o[1]} {o[2]} {s['ttft_p50_s']:8.3f}s {s['ttft_p99_s']:6.2f}s "
+                   f"{1000 * s['tpot_p50_s']:7.1f}ms {_gib(s['bytes_moved']):>10} {s['_wall_s']:5.1f}s")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = _configs(args)
+    tpi = _int("--tokens-per-hash-id", args.tokens_per_hash_id, 1)
+    max_prompt = _int("--max-prompt-tokens", args.max_prompt_tokens)
+    max_output = _int("--max-output-tokens", args.max_output_tokens)
+    first = _int("--first-request", args.first_request)
+    limit = _int("--max-requests", args.max_requests)
+    concurrency = _int("--concurrency", args.concurrency)
+    try:
+        scale = float(args.time_scale)
+    except ValueError:
+        raise BadInput(f"--time-scale must be a number, got {args.time_scale!r}") from None
+    if not scale >= 0:
+        raise BadInput(f"--time-scale must be >= 0, got {args.time_scale}")
+    block_size = _int("--block-size", args.block_size)
+    try:
+        profile = load_profile(args.model_profile)
+        if block_size:
+            profile = dataclasses.replace(profile, block_size=block_size)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    try:
+        rows = load_trace(args.trace, limit, first)
+    except OSError as err:
+        raise BadInput(f"--trace {args.trace}: {err.strerror or err}") from None
+    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+        raise BadInput(f"--trace {args.trace}: {err}") from None
+    if not rows:
+        raise BadInput(f"--trace {args.trace}: no requests in the window")
+    results = []
+    for c in configs:
+        t0 = time.perf_counter()
+        try:
+            reqs = build_requests(rows, profile.block_size, tpi, max_prompt, max_output, scale)
+        except (ValueError, TypeError, KeyError) as err:
+            raise BadInput(f"--trace {args.trace}: {err}") from None
+        try:
+            cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile)
+        except (ValueError, TypeError, KeyError) as err:
+            raise BadInput(str(err)) from None
+        s = summarize(simulate(reqs, cfg, concurrency), with_oracles=not args.no_oracles)
+        s.update({"_wall_s": time.perf_counter() - t0, "_pool_bytes": c["pool_bytes"],
+                  "_kv_cache_bytes": c["kv_cache_bytes"]})
+        results.append(s)
+        if not args.sweep:
+            print(report(s))
+            print(f"(replayed in {s['_wall_s']:.2f} s)")
+    if args.sweep:
+        print(f"{len(rows)} requests, profile {profile.name}; sweep of {args.sweep.partition('=')[0]}")
+        print(table(results, args.sweep.partition("=")[0]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"trace": args.trace, "runs": results}, f, indent=1)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return run(args)
+    except BadInput as err:
+        print(f"kvpool plan: {err}", file=sys.stderr)
+        return 2

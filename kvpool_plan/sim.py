@@ -1,0 +1,466 @@
+"""A discrete-event replay of a Mooncake-format trace over N simulated nodes (`kvpool plan`).
+
+What decides hits is the project's own code, imported:
+- the block index: `metaserver.index.BlockIndex` (one for the cluster, as the metaserver's):
+  pools publish their puts and unpublish their evictions into it; a request's load is its
+  sparse `query` (the requester's own copy first, other holders spread by load);
+- a pool's eviction: `kvpool_plan.eviction.PoolLRU`, NodePool's policy without its memory
+  (a test runs a real NodePool beside it);
+- routing: `router.policy` (round-robin, least-loaded, prefix) on `router.backends.Backend`
+  objects whose counters move as the router's do (`router.app`), the prefix policy reading
+  the simulated index through the same calls as the router's index view;
+- what a request loads, as the connector does (`connector.pool_scheduler`): its local hit
+  (the longest prefix held in its node's KV cache, an LRU of `--kv-cache` bytes), then
+  `QueryResult.run_from` that block (the run the index holds from there, never across a
+  gap), never the block holding the prompt's last token; the newly computed full blocks are
+  saved into the node's pool (write-through, prompt at the first token, output at the
+  end); a local hit touches its blocks in the node's pool, and those the index held nowhere
+  are saved again (the "Recency" rule).
+- the oracles: `kvpool_bench.workloads.lru_hits` / `belady_hits` over the same chains (the
+  infinite one is LRU with no limit), for the capacity of all caches and pools together.
+
+Prompts: each hash id of the trace becomes `tokens_per_hash_id` tokens, as `kvpool bench
+cross-node` maps them (`workloads.mooncake_trace`), cut at `max_prompt_tokens`. The block
+ending at token t is named by the hash id holding t and t's offset in it (a hash id names
+its chunk together with everything before it, so this is the chained hash's identity,
+without hashing tokens; `tests/plan` checks it against the token-level oracle). Output
+blocks are new to every request (a model's output is not in the trace).
+
+Simplifications of this first version (each a place where the real cluster may differ):
+- a node runs engine steps one after another; a step prefills at most one prompt (the next
+  queued, first come first served), whole (no chunked prefill, no batch of prompts), and
+  gives every request already generating there one token: it costs the prompt's load and
+  prefill (by the tokens it computes) plus the decode step at that batch. So prefills
+  stall decodes and decodes slow prefills, as in a mixed batch; TPOT is (end - first
+  token) / (output tokens - 1);
+- the lookup is made when the prefill starts (the connector looks up at arrival; a block
+  evicted in between is a failed read there, a miss here); a load is `latency + bytes /
+  link rate` of the reader's link (own-pool blocks at the memcpy rate), parallel sources
+  sharing that link;
+- a node's KV cache is an LRU of blocks with nothing pinned (running requests' blocks can
+  be evicted from it while they decode; the engine would keep them);
+- no disk tier yet.
+
+TTFT = queueing (earlier prompts, the step under way) + load + prefill (+ the decode step
+it shares); the report states per-tier hits in prompt tokens, as
+`kvpool bench cross-node` counts them.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import sys
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.layout import slot_bytes_for
+from kvpool_bench.report import pct
+from kvpool_bench.workloads import belady_hits, lru_hits
+from kvpool_plan.eviction import PoolLRU
+from kvpool_plan.profile import ModelProfile
+from metaserver.index import BlockIndex
+from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+from router.backends import Backend
+from router.chain import Chain
+from router.policy import Choice, Policy, make_policy
+
+NAMESPACE = Namespace("plan")
+EVICT_BATCH = 16  # kvpool.config.PoolConfig.evict_batch's default
+
+
+@dataclass(slots=True)
+class SimRequest:
+    idx: int
+    arrival_s: float
+    num_tokens: int                 # prompt tokens
+    output_tokens: int
+    hashes: tuple                   # the prompt's full blocks, chained from block 0
+    out_hashes: tuple = ()          # full blocks its output fills (new to every request)
+    # filled in by the replay
+    node: int = -1
+    choice: Choice | None = None
+    local_blocks: int = 0
+    own_pool_blocks: int = 0
+    remote_blocks: int = 0
+    computed_tokens: int = 0
+    start_s: float = 0.0
+    first_token_s: float = 0.0
+    end_s: float = 0.0
+    tpot_s: float = 0.0             # (end - first token) / (output tokens - 1)
+    left: int = 0                   # output tokens still to generate
+
+
+def build_requests(rows: Sequence[dict], block_size: int, tokens_per_hash_id: int = 16, max_prompt_tokens: int = 0,
+                   max_output_tokens: int = 0, time_scale: float = 1.0) -> list[SimRequest]:
+    """The trace's rows as requests (see the module docstring); `max_*` 0 = no limit."""
+    if block_size < 1 or tokens_per_hash_id < 1 or max_prompt_tokens < 0 or max_output_tokens < 0 or time_scale < 0:
+        raise ValueError("block size and tokens per hash id must be >= 1, limits and the time scale >= 0")
+    out_ids = itertools.count(-1, -1)  # output blocks: negative names, never equal to a prompt's
+    tpi = tokens_per_hash_id
+    reqs = []
+    for i, row in enumerate(rows):
+        ids = row["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids) \
+                or not isinstance(row["timestamp"], (int, float)) or not isinstance(row["output_length"], (int, float)):
+            raise ValueError(f"trace row {i + 1}: hash_ids must be a list of integers >= 0, timestamp and "
+                             "output_length numbers")
+        n = len(ids) * tpi
+        if max_prompt_tokens:
+            n = min(n, max_prompt_tokens)
+        if n < 1:
+            raise ValueError(f"trace row {i + 1}: no hash ids")
+        hashes = []
+        for j in range(n // block_size):
+            t = (j + 1) * block_size - 1   # the block's last token
+            hashes.append(ids[t // tpi] * tpi + t % tpi)
+        out = max(1, int(row["output_length"]))
+        if max_output_tokens:
+            out = min(out, max_output_tokens)
+        # the engine computes the prompt and the output but its last token
+        full = (n + out - 1) // block_size
+        reqs.append(SimRequest(i, row["timestamp"] / 1000.0 * time_scale, n, out, tuple(hashes),
+                               tuple(next(out_ids) for _ in range(full - len(hashes)))))
+    return reqs
+
+
+class IndexAdapter:
+    """The calls `router.policy.Prefix` makes on `metaserver.view.IndexView`, answered by the
+    simulated cluster's index."""
+
+    def __init__(self, index: BlockIndex, namespace: Namespace = NAMESPACE) -> None:
+        self.index = index
+        self.namespace = namespace
+
+    def prefix_by_node(self, chain: Sequence[bytes]) -> tuple[int, dict[NodeId, int]]:
+        return self.index.prefix_by_node(self.namespace, chain)
+
+    def present(self, chain: Sequence[bytes]) -> list[bool]:
+        return self.index.present(self.namespace, chain)
+
+
+@dataclass
+class SimConfig:
+    nodes: int
+    kv_cache_bytes: int
+    pool_bytes: int
+    policy: str
+    profile: ModelProfile
+    evict_batch: int = EVICT_BATCH
+
+    def __post_init__(self) -> None:
+        bb = self.profile.block_bytes
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {self.nodes}")
+        if self.kv_cache_bytes < bb:
+            raise ValueError(f"--kv-cache {self.kv_cache_bytes} B holds no {bb}-byte block")
+        if self.pool_bytes < 0:
+            raise ValueError("--pool must be >= 0")
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.kv_cache_bytes // self.profile.block_bytes
+
+    @property
+    def pool_slots(self) -> int:
+        """Slots of one node's pool (0: the pool is off), as NodePool sizes them."""
+        return self.pool_bytes // slot_bytes_for(self.profile.block_bytes)
+
+
+class SimNode:
+    def __init__(self, i: int, cfg: SimConfig) -> None:
+        self.i = i
+        self.node_id = NodeId(f"n{i}")
+        self.backend = Backend(f"sim://{self.node_id}", node_id=self.node_id, cache_blocks=cfg.kv_blocks)
+        self.kv: OrderedDict = OrderedDict()
+        self.kv_cap = cfg.kv_blocks
+        self.pool = PoolLRU(cfg.pool_slots, cfg.evict_batch) if cfg.pool_slots else None
+        self.queue: deque[SimRequest] = deque()     # waiting for their prefill
+        self.decoding: list[SimRequest] = []         # generating
+        self.busy = False                            # a step is under way
+        self.prefill: SimRequest | None = None       # the step's prefill
+        self.batch: list[SimRequest] = []            # the step's decode batch
+
+    def kv_prefix(self, hashes: Sequence) -> int:
+        kv = self.kv
+        n = 0
+        for h in hashes:
+            if h not in kv:
+                break
+            n += 1
+        return n
+
+    def kv_insert(self, hashes: Sequence) -> None:
+        kv = self.kv
+        for h in hashes:
+            kv[h] = None
+            kv.move_to_end(h)
+        while len(kv) > self.kv_cap:
+            kv.popitem(last=False)
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    config: SimConfig
+    link_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    pool_evictions: int = 0
+    pool_puts: int = 0
+    end_s: float = 0.0
+
+
+_ARRIVE, _STEP_DONE = 0, 1
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.profile = cfg.profile
+        self.bs = cfg.profile.block_size
+        self.index = BlockIndex()
+        self.nodes = [SimNode(i, cfg) for i in range(cfg.nodes)]
+        self._by_id = {n.node_id: n for n in self.nodes}
+        self.record_size = slot_bytes_for(cfg.profile.block_bytes)
+        for n in self.nodes:
+            self.index.upsert_node(NodeRecord(n.node_id, "", 0, cfg.pool_bytes, NAMESPACE, 0, 0))
+        self.policy: Policy = make_policy(cfg.policy, self.bs, IndexAdapter(self.index))  # type: ignore[arg-type]
+        self.link_bytes: dict[tuple[str, str], int] = {}
+        self._events: list[tuple[float, int, int, SimNode | None, SimRequest]] = []
+        self._seq = itertools.count()
+        self._pending: deque[SimRequest] = deque()  # closed loop: requests not sent yet
+        self._now = 0.0
+
+    # ---- the pools --------------------------------------------------------------------
+
+    def _save(self, node: SimNode, hashes: Sequence) -> None:
+        """Write-through: each block into the node's pool, published; evictions unpublished."""
+        pool = node.pool
+        if pool is None:
+            return
+        index, nid, size = self.index, node.node_id, self.record_size
+        for h in hashes:
+            stored, victims = pool.put(h)
+            for v in victims:
+                index.remove_block(nid, v)
+            if stored:
+                index.add_block(nid, BlockRecord(BlockHash(h), 0, size, 0))
+
+    # ---- the event loop ---------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, node: SimNode | None, req: SimRequest) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, node, req))
+
+    def run(self, requests: Sequence[SimRequest], concurrency: int = 0) -> SimResult:
+        """Arrivals at the requests' times; with `concurrency`, a closed loop instead (as
+        `kvpool bench cross-node` without --time-scale): that many requests in flight, in
+        trace order, the next sent when one ends."""
+        if concurrency:
+            self._pending = deque(requests)
+            for _ in range(min(concurrency, len(requests))):
+                self._release(0.0)
+        else:
+            for r in requests:
+                self._push(r.arrival_s, _ARRIVE, None, r)
+        now = 0.0
+        events = self._events
+        while events:
+            now, _, kind, node, req = heapq.heappop(events)
+            self._now = now
+            if kind == _ARRIVE:
+                assert req is not None
+                self._arrive(now, req)
+            else:
+                assert node is not None
+                self._step_done(now, node)
+        pools = [n.pool for n in self.nodes if n.pool is not None]
+        return SimResult(list(requests), self.cfg, self.link_bytes, sum(p.evictions for p in pools),
+                         sum(p.puts for p in pools), now)
+
+    def _release(self, now: float) -> None:
+        req = self._pending.popleft()
+        req.arrival_s = now
+        self._push(now, _ARRIVE, None, req)
+
+    def _arrive(self, now: float, req: SimRequest) -> None:
+        chain = Chain(req.hashes, req.num_tokens)  # type: ignore[arg-type]
+        backends = [n.backend for n in self.nodes]
+        choice = self.policy.choose(backends, chain)
+        b = choice.node
+        b.in_flight += 1
+        b.prefilling += choice.compute_tokens
+        b.requests += 1
+        self.policy.routed(b, chain)
+        req.choice = choice
+        node = self._by_id[NodeId(b.node_id)]
+        req.node = node.i
+        node.queue.append(req)
+        if not node.busy:
+            self._step(now, node)
+
+    def _step(self, now: float, node: SimNode) -> None:
+        """The node's next engine step: the next queued prompt's load and prefill (if one
+        waits) and a token for each request generating there; idle if there is neither."""
+        if not node.queue and not node.decoding:
+            node.busy = False
+            return
+        node.busy = True
+        dur = 0.0
+        node.prefill = None
+        if node.queue:
+            node.prefill = node.queue.popleft()
+            dur += self._load_and_prefill(now, node, node.prefill)
+        node.batch = list(node.decoding)
+        if node.batch:
+            dur += self.profile.decode_step_s(len(node.batch))
+        self._push(now + dur, _STEP_DONE, node, None)
+
+    def _step_done(self, now: float, node: SimNode) -> None:
+        if node.batch:
+            for r in node.batch:
+                r.left -= 1
+                if not r.left:
+                    self._finish(now, node, r)
+            node.decoding = [r for r in node.decoding if r.left]
+        if node.prefill is not None:
+            self._first_token(now, node, node.prefill)
+        self._step(now, node)
+
+    def _load_and_prefill(self, now: float, node: SimNode, req: SimRequest) -> float:
+        """Look `req` up as the connector does, count its hits and pulls; its load and
+        prefill time."""
+        bs = self.bs
+        end = (req.num_tokens - 1) // bs  # the block holding the last token is always computed
+        chain = req.hashes[:end]
+        local = node.kv_prefix(chain)
+        run: tuple = ()
+        if end > local:
+            res = self.index.query(NAMESPACE, chain, requester=node.node_id, sparse=True)
+            run = res.run_from(local)
+            if local:
+                self._refresh(node, chain[:local], res.held)
+        # (a prompt whose every block that can hit is a local hit refreshes nothing: the
+        # connector's num_matched_tokens returns before it plans the refresh)
+        own = remote = 0
+        bb = self.profile.block_bytes
+        links = self.link_bytes
+        for loc in run:
+            if loc.node_id == node.node_id:
+                own += 1
+            else:
+                remote += 1
+                key = (loc.node_id, node.node_id)
+                links[key] = links.get(key, 0) + bb
+        if own and node.pool is not None:
+            node.pool.touch(loc.block_hash for loc in run if loc.node_id == node.node_id)  # a local read
+        req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
+        req.computed_tokens = req.num_tokens - (local + own + remote) * bs
+        req.start_s = now
+        return self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
+
+    def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence) -> None:
+        """The connector's Recency rule: a local hit touches its blocks in the node's pool and
+        saves again those the index held nowhere at lookup time."""
+        if node.pool is None:
+            return
+        node.pool.touch(hashes)
+        lacking = [h for j, h in enumerate(hashes) if j >= len(held) or held[j] is None]
+        if lacking:
+            self._save(node, lacking)
+
+    def _first_token(self, now: float, node: SimNode, req: SimRequest) -> None:
+        req.first_token_s = now
+        full = req.hashes  # every full prompt block is in the node's cache now
+        node.kv_insert(full)
+        done = req.local_blocks + req.own_pool_blocks + req.remote_blocks
+        self._save(node, full[done:])
+        b = node.backend
+        assert req.choice is not None
+        b.prefilling -= req.choice.compute_tokens
+        b.decoding += 1
+        b.predicted_hit_tokens += req.choice.predicted_hit_tokens
+        if req.output_tokens > 1:
+            req.left = req.output_tokens - 1
+            node.decoding.append(req)
+        else:
+            self._finish(now, node, req)
+
+    def _finish(self, now: float, node: SimNode, req: SimRequest) -> None:
+        req.end_s = now
+        if req.output_tokens > 1:
+            req.tpot_s = (now - req.first_token_s) / (req.output_tokens - 1)
+        if req.out_hashes:
+            node.kv_insert(req.out_hashes)
+            self._save(node, req.out_hashes)
+        b = node.backend
+        b.in_flight -= 1
+        b.decoding -= 1
+        if self._pending:
+            self._release(now)
+
+
+def simulate(requests: Sequence[SimRequest], cfg: SimConfig, concurrency: int = 0) -> SimResult:
+    """Replay `requests` (fresh ones: the replay fills them in) on a new simulated cluster;
+    `concurrency`: a closed loop of that many requests in flight (`Simulator.run`)."""
+    return Simulator(cfg).run(requests, concurrency)
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """As `kvpool bench` computes percentiles (`kvpool_bench.report.pct`); 0 for no values."""
+    return pct(list(values), q) if values else 0.0
+
+
+def oracles(requests: Sequence[SimRequest], block_size: int, capacity_blocks: int) -> dict[str, float]:
+    """Hit rates (of prompt tokens) of a shared cache: infinite, and LRU / Belady of
+    `capacity_blocks` blocks (`kvpool_bench.workloads`)."""
+    refs = [r.hashes[:(r.num_tokens - 1) // block_size] for r in requests]
+    puts = [r.hashes + r.out_hashes for r in requests]
+    total = sum(r.num_tokens for r in requests) or 1
+    out = {"infinite": sum(lru_hits(refs, puts, sys.maxsize)) * block_size / total}
+    cap = max(1, capacity_blocks)
+    out["lru"] = sum(lru_hits(refs, puts, cap)) * block_size / total
+    out["belady"] = sum(belady_hits(refs, puts, cap)) * block_size / total
+    return out
+
+
+def summarize(res: SimResult, with_oracles: bool = True) -> dict:
+    reqs = res.requests
+    cfg = res.config
+    bs = cfg.profile.block_size
+    prompt = sum(r.num_tokens for r in reqs) or 1
+    local = sum(r.local_blocks for r in reqs) * bs
+    own = sum(r.own_pool_blocks for r in reqs) * bs
+    remote = sum(r.remote_blocks for r in reqs) * bs
+    ttft = [r.first_token_s - r.arrival_s for r in reqs]
+    tpot = [r.tpot_s for r in reqs if r.output_tokens > 1]
+    queue = [r.start_s - r.arrival_s for r in reqs]
+    into: dict[str, int] = {}
+    out_of: dict[str, int] = {}
+    for (src, dst), b in res.link_bytes.items():
+        into[dst] = into.get(dst, 0) + b
+        out_of[src] = out_of.get(src, 0) + b
+    capacity = cfg.nodes * (cfg.kv_blocks + cfg.pool_slots)
+    s = {
+        "nodes": cfg.nodes, "policy": cfg.policy, "profile": cfg.profile.name, "requests": len(reqs),
+        "kv_cache_blocks_per_node": cfg.kv_blocks, "pool_slots_per_node": cfg.pool_slots,
+        "capacity_blocks": capacity,
+        "prompt_tokens": prompt, "hit_local_tokens": local, "hit_own_pool_tokens": own,
+        "hit_remote_tokens": remote, "computed_tokens": prompt - local - own - remote,
+        "hit_rate": (local + own + remote) / prompt, "hit_rate_local": local / prompt,
+        "hit_rate_pool": (own + remote) / prompt,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "queue_p50_s": percentile(queue, 50), "queue_p99_s": percentile(queue, 99),
+        "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "bytes_moved": sum(res.link_bytes.values()), "links_used": len(res.link_bytes),
+        "link_bytes_max": max(res.link_bytes.values(), default=0),
+        "node_in_bytes_max": max(into.values(), default=0), "node_out_bytes_max": max(out_of.values(), default=0),
+        "pool_puts": res.pool_puts, "pool_evictions": res.pool_evictions, "simulated_s": res.end_s,
+        "requests_per_node": [n for n in (sum(1 for r in reqs if r.node == i) for i in range(cfg.nodes))],
+        "link_bytes": {f"{a}->{b}": v for (a, b), v in sorted(res.link_bytes.items())},
+    }
+    if with_oracles:
+        o = oracles(reqs, bs, capacity)
+        s.update({"oracle_infinite": o["infinite"], "oracle_lru": o["lru"], "oracle_belady": o["belady"]})
+    return s

@@ -1,0 +1,193 @@
+"""The replay's event loop on hand-computed cases, and its block naming against the
+token-level oracle of `kvpool bench cross-node`."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvpool.layout import slot_bytes_for
+from kvpool_bench.workloads import load_trace, lru_hits, mooncake_trace, prefix_oracle
+from kvpool_plan.profile import ModelProfile, load_profile
+from kvpool_plan.sim import SimConfig, build_requests, percentile, simulate, summarize
+
+TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
+
+# 4-token blocks of 100 bytes; prefill 100 tok/s; a decode step 0.1 s; pulls 0.01 s + 1,000 B/s.
+P = ModelProfile("hand", block_size=4, kv_bytes_per_token=25, prefill_tok_per_s=((1, 100.0),),
+                 decode_tok_per_s=((1, 10.0),), link_bytes_per_s=1000.0, link_latency_s=0.01,
+                 local_copy_bytes_per_s=10000.0)
+BIG = 1 << 20
+
+
+def rows(*specs: tuple[float, list[int], int]) -> list[dict]:
+    """(arrival s, hash ids, output tokens) per request: 4 tokens per hash id."""
+    return [{"timestamp": t * 1000, "input_length": 4 * len(ids), "output_length": out, "hash_ids": ids}
+            for t, ids, out in specs]
+
+
+def run(specs: list, nodes: int = 1, pool: int = BIG, policy: str = "round-robin", kv: int = BIG):
+    reqs = build_requests(rows(*specs), P.block_size, tokens_per_hash_id=4)
+    return simulate(reqs, SimConfig(nodes, kv, pool, policy, P))
+
+
+def ttft(res) -> list[float]:
+    return [round(r.first_token_s - r.arrival_s, 6) for r in res.requests]
+
+
+def test_a_shared_prefix_on_one_node_is_a_local_hit() -> None:
+    res = run([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)])
+    a, b = res.requests
+    # 12 tokens: the last block holds the last token, so at most 2 blocks can hit.
+    assert (a.local_blocks, a.computed_tokens) == (0, 12)
+    assert (b.local_blocks, b.own_pool_blocks, b.remote_blocks, b.computed_tokens) == (2, 0, 0, 4)
+    assert ttft(res) == [0.12, 0.04]  # 12 and 4 tokens at 100 tok/s
+    assert res.link_bytes == {}
+
+
+def test_round_robin_on_two_nodes_pulls_from_the_pool() -> None:
+    res = run([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)], nodes=2)
+    a, b = res.requests
+    assert (a.node, b.node) == (0, 1)
+    assert (b.local_blocks, b.remote_blocks, b.computed_tokens) == (0, 2, 4)
+    assert ttft(res) == [0.12, 0.25]  # pull 0.01 + 200 B / 1,000 B/s, then 4 tokens
+    assert res.link_bytes == {("n0", "n1"): 200}
+    s = summarize(res)
+    assert s["hit_rate_pool"] == pytest.approx(8 / 24) and s["hit_rate_local"] == 0
+    assert s["oracle_infinite"] == pytest.approx(8 / 24)
+
+
+def test_a_pull_against_a_recompute() -> None:
+    """Pool off: the second request recomputes its 12 tokens (0.12 s) where the pool (slow
+    link) pulled 2 blocks for 0.21 s and computed 4 (0.25 s): the model charges each."""
+    off = run([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)], nodes=2, pool=0)
+    assert ttft(off) == [0.12, 0.12] and off.requests[1].computed_tokens == 12
+    # a longer shared prefix: 9 blocks pulled (0.01 + 0.9 s) vs 36 tokens recomputed (0.36 s)
+    long = list(range(1, 10))
+    on = run([(0, long + [10], 1), (5, long + [11], 1)], nodes=2)
+    assert ttft(on)[1] == pytest.approx(0.01 + 0.9 + 0.04)
+    off = run([(0, long + [10], 1), (5, long + [11], 1)], nodes=2, pool=0)
+    assert ttft(off)[1] == pytest.approx(0.40)
+
+
+def test_own_pool_hit_after_the_kv_cache_dropped_the_prefix() -> None:
+    """A KV cache of 3 blocks: the third request's prefix left it, the node's own pool
+    still holds it (a memcpy: 200 B at 10,000 B/s)."""
+    res = run([(0, [1, 2, 3], 1), (1, [5, 6, 7], 1), (2, [1, 2, 8], 1)], kv=3 * P.block_bytes)
+    c = res.requests[2]
+    assert (c.local_blocks, c.own_pool_blocks, c.remote_blocks) == (0, 2, 0)
+    assert ttft(res)[2] == pytest.approx(0.02 + 0.04)
+
+
+def test_an_eviction_ends_the_hit() -> None:
+    """A pool of 2 slots: the third save evicts both (NodePool frees up to evict_batch slots
+    at once), so the index holds only block 3 and the next request pulls nothing."""
+    res = run([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)], nodes=2, pool=2 * slot_bytes_for(P.block_bytes))
+    b = res.requests[1]
+    assert (b.remote_blocks, b.computed_tokens) == (0, 12)
+    assert res.pool_evictions == 2 + 2  # n0: 1, 2 for 3; n1: 1, 2 for 4
+    s = summarize(res)
+    assert s["hit_rate"] == 0
+
+
+def test_queueing_then_prefill() -> None:
+    """Two requests at once on one node: the second waits for the first's prefill."""
+    res = run([(0, [1, 2, 3], 1), (0, [5, 6, 7], 3)])
+    assert ttft(res) == [0.12, 0.24]
+    assert res.requests[1].tpot_s == pytest.approx(0.1)  # batch 1 at 10 tok/s
+    assert res.end_s == pytest.approx(0.24 + 2 * 0.1)
+
+
+def test_prefix_routing_sends_the_second_request_to_its_prefix() -> None:
+    res = run([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)], nodes=2, policy="prefix")
+    a, b = res.requests
+    assert b.node == a.node and b.local_blocks == 2
+    res = run([(0, [1, 2, 3], 1), (1, [7, 8, 9], 1), (2, [7, 8, 4], 1)], nodes=2, policy="least-loaded")
+    assert [r.node for r in res.requests] == [0, 1, 0]  # all idle: in turn
+
+
+def test_output_blocks_are_saved_and_take_room() -> None:
+    """12 prompt + 9 output tokens: the engine computes 20, 5 full blocks (2 of them output)."""
+    res = run([(0, [1, 2, 3], 9)])
+    r = res.requests[0]
+    assert len(r.hashes) == 3 and len(r.out_hashes) == 2
+    assert res.pool_puts == 5
+
+
+@pytest.mark.parametrize("tpi, max_prompt", [(16, 256), (32, 512), (8, 200), (24, 0)])
+def test_block_names_hit_as_the_token_chains_do(tpi: int, max_prompt: int) -> None:
+    """The hash-id naming gives every request the hit `prefix_oracle` finds on the prompts
+    `kvpool bench cross-node` builds (real tokens, chained SHA-256), engine blocks of 16."""
+    trace = load_trace(TRACE, 400, 3000)
+    cut = max_prompt or 10**9
+    prompts = [r.prompt for r in mooncake_trace(trace, tpi, cut, 16)]
+    want = prefix_oracle(prompts, prompts, 16)
+    reqs = build_requests(trace, 16, tpi, max_prompt)
+    assert [r.num_tokens for r in reqs] == [len(p) for p in prompts]
+    got = lru_hits([r.hashes[:(r.num_tokens - 1) // 16] for r in reqs], [r.hashes for r in reqs], sys.maxsize)
+    assert [n * 16 for n in got] == want
+    assert sum(want) > 0
+
+
+def test_the_public_trace_on_16_nodes_is_quick_and_below_its_oracles() -> None:
+    reqs = build_requests(load_trace(TRACE, 1000, 2993), 16, 16, 512, 32)
+    s = summarize(simulate(reqs, SimConfig(16, 96 << 20, 256 << 20, "prefix", load_profile("cpu-smollm2-135m"))))
+    assert 0 < s["hit_rate"] <= s["oracle_infinite"] + 1e-9
+    assert s["oracle_lru"] <= s["oracle_infinite"] and s["oracle_belady"] <= s["oracle_infinite"]
+    assert s["ttft_p50_s"] > 0 and sum(s["requests_per_node"]) == 1000
+
+
+def test_percentile() -> None:
+    assert percentile([], 50) == 0
+    assert percentile([3, 1, 2], 50) == 2 and percentile(list(range(1, 101)), 99) == 100
+
+
+def test_a_closed_loop_sends_the_next_request_when_one_ends() -> None:
+    """Concurrency 1: the second request is sent when the first has ended (its prefill
+    0.12 s, then 2 decode steps of 0.1 s), whatever the trace's times say."""
+    reqs = build_requests(rows((0, [1, 2, 3], 3), (0, [5, 6, 7], 1)), P.block_size, tokens_per_hash_id=4)
+    res = simulate(reqs, SimConfig(2, BIG, BIG, "round-robin", P), concurrency=1)
+    assert [r.arrival_s for r in res.requests] == [0, pytest.approx(0.32)]
+    assert ttft(res) == [0.12, 0.12]
+
+
+def test_prefill_and_decode_share_the_node() -> None:
+    """A generates 3 tokens: first at 0.12, then decode steps of 0.1 s. B arrives at 0.15,
+    in A's step, and waits for it (0.22); its prefill step carries A's last decode token
+    (0.12 + 0.1 s): both at 0.44. B's TTFT 0.29; A's TPOT (0.44 - 0.12) / 2."""
+    res = run([(0, [1, 2, 3], 3), (0.15, [5, 6, 7], 1)])
+    a, b = res.requests
+    assert ttft(res) == [0.12, 0.29]
+    assert b.start_s == pytest.approx(0.22)
+    assert a.end_s == pytest.approx(0.44) and a.tpot_s == pytest.approx(0.16)
+
+
+def test_local_hits_refresh_the_pool() -> None:
+    """The connector's Recency rule on a 3-slot pool freeing one slot at a time: a local hit
+    touches its blocks in the node's pool (so a later save evicts others), and a local-hit
+    block the index holds nowhere is saved again."""
+    from kvpool_plan.sim import Simulator
+
+    def h(i: int) -> int:  # the name of hash id i's (only) block: 4 tokens per id and block
+        return i * 4 + 3
+
+    specs = [(0, [1, 2, 3], 1), (1, [1, 2, 4, 5], 1), (2, [1, 2, 6, 7], 1)]
+    sim = Simulator(SimConfig(1, BIG, 3 * slot_bytes_for(P.block_bytes), "round-robin", P, evict_batch=1))
+    sim.run(build_requests(rows(*specs[:2]), 4, 4))
+    # request 1: local hit 1, 2 touched -> [3, 1, 2]; its saves 4, 5 evict 3 and 1
+    assert sim.nodes[0].pool.blocks() == [h(2), h(4), h(5)]
+    sim = Simulator(SimConfig(1, BIG, 3 * slot_bytes_for(P.block_bytes), "round-robin", P, evict_batch=1))
+    sim.run(build_requests(rows(*specs), 4, 4))
+    # request 2: block 1 is a local hit the index holds nowhere: saved again (evicting 4), then 6, 7
+    assert sim.nodes[0].pool.blocks() == [h(1), h(6), h(7)]
+    assert sim.index.prefix_by_node("plan", [h(1)]) == (1, {"n0": 1})
+
+
+def test_time_scale_and_limits() -> None:
+    reqs = build_requests(rows((2, [1, 2, 3], 50)), 4, tokens_per_hash_id=4, max_prompt_tokens=6,
+                          max_output_tokens=5, time_scale=0.5)
+    r = reqs[0]
+    assert (r.arrival_s, r.num_tokens, r.output_tokens, len(r.hashes)) == (1.0, 6, 5, 1)
+    assert len(r.out_hashes) == (6 + 5 - 1) // 4 - 1  # computed 10 tokens: 2 full blocks, 1 of the prompt
+    with pytest.raises(ValueError, match="hash_ids must be"):
+        build_requests(rows((0, [1, -2], 1)), 4)
