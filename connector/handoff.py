@@ -11,7 +11,23 @@ loads from (vLLM's P/D field, with our pool's locations in it).
 
 The producer answers only once every listed block is in its pool (`PoolWorker`), so the
 decode node reads them straight from those slots: no lookup in the index, no race with the
-publish. The blocks are the prompt's full blocks in chain order from block 0. A decode node
+publish.
+
+A vLLM producer cannot wait: vLLM sends the prefill response as the request finishes
+(`request_finished` returns the params then), before its worker has put the blocks into the
+pool. So a vLLM node answers vLLM's own fields (`remote_engine_id`, `remote_request_id`,
+`remote_block_ids`, `remote_host`, `remote_port`: what vLLM's proxies expect to see and copy)
+and names the blocks by count, not slot (`vllm_producer_params`):
+
+    prefill vLLM -> proxy     {"do_remote_prefill": true, "do_remote_decode": false,
+                               "remote_engine_id": NODE, "remote_request_id": ID,
+                               "remote_block_ids": [...], "remote_host": null, "remote_port": null,
+                               "kvpool_node_id": NODE, "kvpool_fingerprint": FP,
+                               "kvpool_num_blocks": N}
+
+and the decode node looks the prompt up in the index as usual, waiting (up to the
+connector's `handoff_wait_s`) until the run it finds reaches those N blocks: the producer
+publishes them a moment later. The blocks are the prompt's full blocks in chain order from block 0. A decode node
 takes the leading blocks whose hashes equal its own chain for the request (same prompt,
 salt and layout), and reads them like any pool hit: each read is validated (slot header,
 generation, checksum), so a block the producer lost or overwrote meanwhile is recomputed,
@@ -41,6 +57,32 @@ def producer_params(node: NodeRecord, records: Sequence[BlockRecord]) -> dict[st
             "remote_session": node.session_address, "remote_buffer": node.buffer_address,
             "remote_capacity": node.capacity_bytes, "remote_fingerprint": node.namespace,
             "remote_blocks": [[r.block_hash.hex(), r.offset, r.size_bytes, r.generation] for r in records]}
+
+
+def vllm_producer_params(node_id: str, request_id: str, block_ids: Sequence[int], num_blocks: int,
+                         fingerprint: str) -> dict[str, Any]:
+    """What a vLLM producer answers (see the module docstring): vLLM's fields and the count
+    of full prompt blocks its worker puts into the pool."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": node_id,
+            "remote_request_id": request_id, "remote_block_ids": list(block_ids), "remote_host": None,
+            "remote_port": None, "kvpool_node_id": node_id, "kvpool_fingerprint": fingerprint,
+            "kvpool_num_blocks": num_blocks}
+
+
+def names_blocks_by_count(params: Mapping[str, Any]) -> bool:
+    """`params` come from a vLLM producer (`vllm_producer_params`): blocks by count, not slot."""
+    return "kvpool_num_blocks" in params and "remote_blocks" not in params
+
+
+def expected_blocks(params: Mapping[str, Any], fingerprint: str) -> int:
+    """How many leading prompt blocks a vLLM producer put into the pool for this request (0
+    when it holds another layout). ValueError (one line) when the params are malformed."""
+    try:
+        _str(params, "kvpool_node_id")
+        n = _int(params, "kvpool_num_blocks")
+        return n if _str(params, "kvpool_fingerprint") == fingerprint else 0
+    except KeyError as err:
+        raise ValueError(f"kv_transfer_params lack {err}") from None
 
 
 def consumer_hit(params: Mapping[str, Any], fingerprint: str,

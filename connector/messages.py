@@ -40,3 +40,4 @@ class PoolConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)   # blocks to copy into the pool after the step
     writes: list[int] = field(default_factory=list)       # cache blocks the step writes (saves of them must stop)
     sends: list[SendSpec] = field(default_factory=list)   # finished requests handed to a remote decode
+    touches: list[BlockHash] = field(default_factory=list)  # blocks used as local hits (this pool's LRU)

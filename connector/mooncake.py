@@ -91,7 +91,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         hold = self.scheduler.finish_request(request.request_id, request.kv_transfer_params, block_ids,
                                              request.block_hashes, request.num_prompt_tokens,
                                              request.num_computed_tokens)
-        return hold, None  # a send's params come with its report (get_kv_transfer_params)
+        return bool(hold), None  # a send's params come with its report (get_kv_transfer_params)
 
     # ---- worker side ----------------------------------------------------------------
 

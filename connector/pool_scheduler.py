@@ -23,6 +23,17 @@ prompt is never computed, saved or read again, so the pool's LRU drops it), whil
 holds the blocks behind them. A load is that run: chain blocks start, start+1, ... into the
 request's cache blocks start, start+1, ..., never across a gap.
 
+Recency: the pool's LRU sees its saves and local reads, but not the uses that matter most
+for a hot prefix: a block that is a local hit in every engine's own cache is never computed,
+saved or read again. So a request's local hit refreshes the pool when it is first scheduled
+(`plan_save`): its blocks are touched in this node's pool (`touches`: moved to the LRU's
+end where held) and those the index held nowhere at lookup time are saved again from the
+request's own cache blocks (re-offered). A block another node reads one-sidedly does not
+touch its owner's LRU (the owner learns nothing of the read), but the reader now holds it in
+its cache and, while it keeps using it, re-offers it once the owner dropped it. Chosen over
+readers reporting uses to the owner or the index (a new channel, RPCs per use) because it
+costs nothing while the pool holds the block and one copy when it did not.
+
 A request whose load failed is offered no remote hit again (a host that sends it back to
 admission, as vLLM's `recompute` policy does, would otherwise be offered the same failing
 blocks forever). Loads and saves accumulate until `build_meta()` hands them to the worker
@@ -155,6 +166,15 @@ class PoolScheduler:
         self.handoff_sends = 0       # requests handed to a remote decode (counter)
         self.handoff_bad_params = 0  # transfer params that could not be read (looked up instead; counter)
         self._save_policy = SavePolicy(settings.save_policy, settings.save_seen_blocks)
+        # request id -> (its local hit in blocks, chain blocks below it the index held nowhere),
+        # from its last lookup answer; refreshed in the pool when it is first scheduled.
+        self._refresh: dict[str, tuple[int, tuple[int, ...]]] = {}
+        # request id -> (the chain blocks a vLLM producer put into the pool for it, until when
+        # to wait for them to reach the index) (`connector.handoff`).
+        self._expect: dict[str, tuple[int, float]] = {}
+        self._touches: list[BlockHash] = []
+        self.touched_blocks = 0    # local-hit blocks touched in this node's pool (counter)
+        self.reoffered_blocks = 0  # local-hit blocks saved again: the index held them nowhere (counter)
 
     def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
                      transfer_params: dict | None = None) -> None:
@@ -163,7 +183,18 @@ class PoolScheduler:
         end = (num_tokens - 1) // self.block_size  # its last token is always computed
         if not self.consume or end <= 0:
             return
-        if handoff.is_remote_prefill(transfer_params):
+        if handoff.is_remote_prefill(transfer_params) and handoff.names_blocks_by_count(transfer_params or {}):
+            assert transfer_params is not None
+            try:  # a vLLM producer: its blocks reach the index a moment after its answer
+                want = min(handoff.expected_blocks(transfer_params, self.fingerprint), end)
+            except ValueError as err:
+                self.handoff_bad_params += 1
+                log.warning("%s: transfer params not used (%s); looking the prompt up instead", request_id, err)
+            else:
+                if want:
+                    self.handoff_loads += 1
+                    self._expect[request_id] = (want, time.monotonic() + self.settings.handoff_wait_s)
+        elif handoff.is_remote_prefill(transfer_params):
             assert transfer_params is not None
             try:
                 locations, nodes = handoff.consumer_hit(transfer_params, self.fingerprint, block_hashes[:end])
@@ -213,7 +244,20 @@ class PoolScheduler:
         if usable < len(run):
             hit.stop = start + usable  # never offered to this request again (nor counted again)
             run = run[:usable]
+        expect = self._expect.get(request_id)
+        if expect is not None:
+            if start + len(run) < expect[0] and usable == len(hit.answer.run_from(start)[:end - start]) \
+                    and time.monotonic() < expect[1]:
+                # A vLLM producer's blocks are not all in the index yet: look again next time.
+                self._hits.pop(request_id, None)
+                self._asked.pop(request_id, None)
+                self.hit_blocks -= hit.answer.num_held
+                return None
+            del self._expect[request_id]
         hit.start, hit.offered = start, run
+        held = hit.answer.held
+        if self.produce and start and (held or not hit.answer.locations):  # a sparse answer (or nothing held)
+            self._refresh[request_id] = (start, tuple(j for j in range(start) if j >= len(held) or held[j] is None))
         return len(run) * bs
 
     def wait_for_lookups(self, timeout_s: float) -> None:
@@ -269,6 +313,8 @@ class PoolScheduler:
         # Every block the step writes for it (the last one possibly partial): a queued save of
         # any of them (the host reused the block) must not copy it afterwards.
         self._writes.extend(block_table[written:-(-(num_computed_tokens + num_new_tokens) // bs)])
+        if request_id not in self._planned:
+            self._refresh_local_hit(request_id, block_table, block_hashes)
         first = min(written, self._planned.get(request_id, written))
         last = min((num_computed_tokens + num_new_tokens) // bs, len(block_hashes), len(block_table))
         self._planned[request_id] = max(last, first)
@@ -278,27 +324,42 @@ class PoolScheduler:
                 self._saves.append(SaveSpec(request_id, tuple(block_table[first + i] for i in keep),
                                             tuple(BlockHash(block_hashes[first + i]) for i in keep)))
 
+    def _refresh_local_hit(self, request_id: str, block_table: Sequence[int], block_hashes: Sequence[bytes]) -> None:
+        """The request's first step: touch its local-hit blocks in the pool and save again
+        those the index held nowhere (see the module docstring, Recency)."""
+        start, lacking = self._refresh.pop(request_id, (0, ()))
+        start = min(start, len(block_table), len(block_hashes))
+        if not start:
+            return
+        self._touches.extend(BlockHash(h) for h in block_hashes[:start])
+        self.touched_blocks += start
+        lacking = tuple(j for j in lacking if j < start)
+        if lacking:
+            self.reoffered_blocks += len(lacking)
+            self._saves.append(SaveSpec(request_id, tuple(block_table[j] for j in lacking),
+                                        tuple(BlockHash(block_hashes[j]) for j in lacking)))
+
     def finish_request(self, request_id: str, transfer_params: dict | None, block_table: Sequence[int],
-                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> bool:
-        """The request ended. True if its blocks must stay: it asks for a remote decode, so
-        the worker half sends its full prompt blocks (into the pool, then names them) first.
-        Only computed blocks are sent (a request aborted in its prefill has blocks allocated
-        whose KV was never written)."""
+                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> int:
+        """The request ended. Nonzero (the full prompt blocks sent) if its blocks must stay:
+        it asks for a remote decode, so the worker half sends those blocks (into the pool,
+        then names them) first. Only computed blocks are sent (a request aborted in its
+        prefill has blocks allocated whose KV was never written)."""
         self.forget(request_id)
         if not self.produce or not handoff.wants_remote_decode(transfer_params):
-            return False
+            return 0
         n = min(min(num_prompt_tokens, num_computed_tokens) // self.block_size, len(block_hashes), len(block_table))
         if n == 0:
-            return False
+            return 0
         self.handoff_sends += 1
         self._sends.append(SendSpec(request_id, tuple(block_table[:n]),
                                     tuple(BlockHash(h) for h in block_hashes[:n])))
-        return True
+        return n
 
     def build_meta(self) -> PoolConnectorMetadata:
         """This step's loads, saves and sends for the worker half; starts a new step."""
-        meta = PoolConnectorMetadata(self._loads, self._saves, self._writes, self._sends)
-        self._loads, self._saves, self._writes, self._sends = [], [], [], []
+        meta = PoolConnectorMetadata(self._loads, self._saves, self._writes, self._sends, self._touches)
+        self._loads, self._saves, self._writes, self._sends, self._touches = [], [], [], [], []
         return meta
 
     def forget(self, request_id: str) -> None:
@@ -309,6 +370,8 @@ class PoolScheduler:
         self._lookups.forget(request_id)
         self._loading.pop(request_id, None)
         self._load_failed.discard(request_id)
+        self._refresh.pop(request_id, None)
+        self._expect.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""
@@ -318,6 +381,7 @@ class PoolScheduler:
         return {"connector_hit_blocks": self.hit_blocks, "connector_saves_skipped": self._save_policy.skipped,
                 "connector_handoff_loads": self.handoff_loads, "connector_handoff_sends": self.handoff_sends,
                 "connector_handoff_bad_params": self.handoff_bad_params,
+                "connector_touched_blocks": self.touched_blocks, "connector_reoffered_blocks": self.reoffered_blocks,
                 **self._lookups.counters(), **view, **self._avoid.counters()}
 
     def close(self) -> None:

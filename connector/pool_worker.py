@@ -187,6 +187,8 @@ class PoolWorker:
         (its computed blocks, its loads' destinations) any more; then its loads start."""
         if self._saver is not None:
             self._saver.fence(itertools.chain(meta.writes, *(spec.block_ids for spec in meta.loads)))
+        if meta.touches and self.pool is not None:
+            self.pool.touch(meta.touches)
         self.start_loads(meta.loads)
         self.send(meta.sends)
 

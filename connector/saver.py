@@ -51,8 +51,9 @@ class _Save:
 
 
 class Saver:
-    def __init__(self, put: Callable[[bytes, Payload, int], bool], block_bytes: int, max_pending: int = 256) -> None:
-        """`put(hash, payload, nbytes)`: the pool's put (True if the block was new there)."""
+    def __init__(self, put: Callable[[bytes, Payload, int], bool], block_bytes: int, max_pending: int) -> None:
+        """`put(hash, payload, nbytes)`: the pool's put (True if the block was new there);
+        `max_pending`: the connector's `save_queue_blocks` setting."""
         self._put = put
         self._block_bytes = block_bytes
         self.max_pending = max_pending

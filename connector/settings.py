@@ -10,7 +10,8 @@ metadata_server, device_name, local_hostname, transfer_timeout_s, progress_timeo
 lease_ttl_s, read_timeout_s, rpc_timeout_s, query_timeout_s, lookup_deadline_s, suspect_s, lookup_view,
 view_stale_s, async_saves, save_queue_blocks, save_policy (write_through | selective: see
 `connector.save_policy`), save_seen_blocks, metaserver_tls_ca /
-metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, debug_load_delay_s (fault
+metaserver_tls_cert / metaserver_tls_key / metaserver_token_file, handoff_wait_s (P/D from a vLLM
+producer: how long a decode node waits for the prompt's blocks to appear in the index), debug_load_delay_s (fault
 drills: wait this long between the query and the read, so a test can kill or overwrite the
 source).
 """
@@ -71,6 +72,7 @@ class PoolConnectorSettings:
     api_url: str = ""                  # the engine's API (http://HOST:PORT) in the registry; "" = none
     disk_dir: str = ""                 # the pool's disk tier (kvpool.disk); off unless this and
     disk_size_bytes: int = 0           # its size are both set
+    handoff_wait_s: float = 5.0        # P/D from a vLLM producer: wait this long for its blocks in the index
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
@@ -103,7 +105,8 @@ class PoolConnectorSettings:
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""),
                        api_url=str(extra("api_url", "")), disk_dir=str(extra("pool_disk", "")),
-                       disk_size_bytes=parse_size(extra("pool_disk_size", 0)))
+                       disk_size_bytes=parse_size(extra("pool_disk_size", 0)),
+                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)))
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 

@@ -43,12 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from connector import handoff
 from connector.cache_layout import LayeredCache
 from connector.messages import PoolConnectorMetadata
 from connector.model_identity import warn_namespace_conflicts, weights_digest
 from connector.pool_scheduler import PoolScheduler
 from connector.pool_worker import PoolWorker
 from connector.settings import PoolConnectorSettings
+from engine.kv_connector.config import KVTransferConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -124,6 +126,9 @@ PROM_COUNTERS = {
     "connector_loaded_blocks": "blocks loaded from the pool and validated",
     "connector_failed_blocks": "blocks whose load failed (recomputed)",
     "connector_saved_blocks": "blocks saved into this node's pool",
+    "connector_sent_blocks": "blocks handed to a remote decode node (P/D sends)",
+    "connector_loads": "loads finished (delivered or failed)",
+    "connector_load_seconds": "seconds from issue to finish of the finished loads, summed",
     "pool_bytes_read": "payload bytes read from the pool",
     "pool_remote_hit_blocks": "blocks read from other nodes' pools",
     "pool_failed_reads": "block reads that failed or did not validate",
@@ -176,7 +181,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
-        self._settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
+        # vLLM bounds no load; our engine's default bound caps each read here too.
+        self._settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d),
+                                                          KVTransferConfig.kv_load_timeout_s)
         self._fingerprint = layout_fingerprint(vllm_config)
         self._seed = hashlib.sha256(b"kvpool/vllm\0" + self._fingerprint.encode()).digest()
         self._block_size = vllm_config.cache_config.block_size
@@ -207,7 +214,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Start the request's lookup as it arrives (it runs off vLLM's scheduler thread)."""
         assert self._scheduler is not None
         self._tracked.setdefault(request.request_id, _Tracked(request, []))
-        self._scheduler.start_lookup(request.request_id, self._pool_hashes(request), request.num_tokens)
+        self._scheduler.start_lookup(request.request_id, self._pool_hashes(request), request.num_tokens,
+                                     request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """None while the lookup is in flight (vLLM asks again next step); never blocks."""
@@ -255,10 +263,24 @@ class KVPoolConnector(KVConnectorBase_V1):
                                          set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """A prefill request asking for a remote decode (`do_remote_decode`) that finished by
+        its length (an aborted or failed one holds nothing) keeps its blocks until the worker
+        has put its full prompt blocks into the pool (`get_finished` reports the send), and
+        answers vLLM's P/D params naming them (`connector.handoff.vllm_producer_params`)."""
+        from vllm.v1.request import RequestStatus
+
         assert self._scheduler is not None
-        self._scheduler.forget(request.request_id)
-        self._tracked.pop(request.request_id, None)
-        return False, None
+        rid, params = request.request_id, request.kv_transfer_params
+        sent = 0
+        if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            sent = self._scheduler.finish_request(rid, params, block_ids, self._pool_hashes(request),
+                                                  request.num_prompt_tokens, request.num_computed_tokens)
+        else:
+            self._scheduler.forget(rid)
+        self._tracked.pop(rid, None)
+        if not sent:
+            return False, None
+        return True, handoff.vllm_producer_params(self._settings.node_id, rid, block_ids, sent, self._fingerprint)
 
     # ---- worker side ----------------------------------------------------------------
 
@@ -297,9 +319,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.save(self._meta().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(P/D sends whose blocks are all in the pool: vLLM frees their blocks, loads that
+        finished)."""
         if self._worker is None:
             return None, None
-        return None, (self._worker.finished_loads() or None)
+        sent = self._worker.finished_sends()
+        self._worker.take_sent_params()  # vLLM answered its params already (`request_finished`)
+        return (sent or None), (self._worker.finished_loads() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -246,6 +246,18 @@ class NodePool:
                 out.append(self._record(slot))
         return out
 
+    def touch(self, hashes: Sequence[bytes]) -> int:
+        """Mark the blocks of `hashes` this pool holds as recently used (a use the pool did
+        not see: a local hit in the engine's own cache); returns how many it holds."""
+        n = 0
+        with self._lock:
+            lru = self._lru
+            for h in hashes:
+                if h in lru:
+                    lru.move_to_end(BlockHash(h))
+                    n += 1
+        return n
+
     def node_record(self) -> NodeRecord:
         """This node as a reader needs it (no lease: not from the registry)."""
         return NodeRecord(self.node_id, self.te.session_id, self.buffer_address, self.capacity_bytes,

@@ -30,8 +30,8 @@ from urllib.parse import urlparse
 
 from kvpool_bench.netshape import ShapingError, check_rate, shaped_pool_link
 from kvpool_bench.report import pct, write_report
-from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, hash_id_oracle, load_trace,
-                                    mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
+from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, fill_index, hash_id_oracle,
+                                    load_trace, mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
 from kvpool_harness.engine_node import read_api_key
 from router.policy import POLICIES
 
@@ -111,6 +111,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--first-request", type=int, default=0,
                    help="replay a window of the trace starting at this request (0-based)")
     t.add_argument("--max-requests", type=int, default=200, help="N requests from --first-request (0 = to the end)")
+    t.add_argument("--trace-system-tokens", type=int, default=0,
+                   help="open every prompt with the same this many tokens (a system prompt every conversation "
+                        "shares: a hot first block)")
     t.add_argument("--max-prompt-tokens", type=int, default=2048, help="cut prompts here (the context limit)")
     t.add_argument("--time-scale", type=float, default=0.0,
                    help="replay arrivals at timestamp x this factor; 0 = fixed concurrency instead")
@@ -131,6 +134,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "pods): one configuration, named pool-on, no cluster started")
     p.add_argument("--api-key-file", default="",
                    help="the nodes' API key (as `kvpool serve --api-key-file`; default $KVPOOL_API_KEY), with --urls")
+    p.add_argument("--window", type=int, default=200,
+                   help="print and plot the hit rate per window of this many requests beside the LRU oracle's "
+                        "(a pool whose hits decay shows as a falling line); 0: off")
     p.add_argument("--run-dir", default="runs/cross-node")
     p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
     p.add_argument("--no-progress", action="store_true")
@@ -245,20 +251,45 @@ def oracle_hits(results: list[Result], block_size: int = BLOCK_SIZE) -> list[int
                          block_size)
 
 
+def hit_windows(results: list[Result], lru: list[int], window: int, first_full: int) -> list[dict]:
+    """Per window of `window` requests (request order): the hit rate, the LRU oracle's, and
+    whether the caches and pools were full by then (`first_full`: the request after which
+    they were). A pool whose hits decay shows as a falling hit rate beside a level LRU."""
+    out = []
+    for lo in range(0, len(results), window):
+        part = [(r, h) for r, h in zip(results[lo:lo + window], lru[lo:lo + window]) if not r.error]
+        prompt = sum(r.prompt_tokens for r, _ in part)
+        hit = sum(r.local_hit_tokens + r.remote_hit_tokens for r, _ in part)
+        remote = sum(r.remote_hit_tokens for r, _ in part)
+        lru_hit = sum(h for _, h in part)
+        out.append({"first": lo, "requests": len(part), "hit_rate": hit / prompt if prompt else 0.0,
+                    "remote_hit_rate": remote / prompt if prompt else 0.0,
+                    "lru_hit_rate": lru_hit / prompt if prompt else 0.0,
+                    "hit_rate_of_lru": hit / lru_hit if lru_hit else 0.0, "full": lo > first_full})
+    return out
+
+
 def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size: int = BLOCK_SIZE,
-              hits: tuple[int, int] | None = None, capacity_blocks: int = 0) -> dict:
+              hits: tuple[int, int] | None = None, capacity_blocks: int = 0, window: int = 200) -> dict:
     """`hits`: (local, remote) hit tokens of the whole run where the nodes do not report them
     per request (vLLM). `capacity_blocks`: the blocks the nodes' caches and pools hold in all
-    (0: unknown), for the capacity-bounded oracles (LRU, Belady's MIN)."""
+    (0: unknown), for the capacity-bounded oracles (LRU, Belady's MIN) and the hit rate per
+    `window` requests beside LRU's (`hit_windows`)."""
     oracle_tokens = sum(h for h, r in zip(oracle_hits(results, block_size), results) if not r.error)
     ok = [r for r in results if not r.error]
-    bounded: dict[str, float] = {}
+    bounded: dict = {}
     if capacity_blocks:
-        lru, belady = bounded_oracles([r.prompt_ids for r in results],
-                                      [r.prompt_ids + r.output_ids[:-1] for r in results], block_size, capacity_blocks)
+        computed = [r.prompt_ids + r.output_ids[:-1] for r in results]
+        lru, belady = bounded_oracles([r.prompt_ids for r in results], computed, block_size, capacity_blocks)
         bounded = {"capacity_blocks": capacity_blocks,
                    "lru_hit_tokens": sum(h for h, r in zip(lru, results) if not r.error),
                    "belady_hit_tokens": sum(h for h, r in zip(belady, results) if not r.error)}
+        if hits is None and window > 0:
+            first_full = fill_index(computed, block_size, capacity_blocks)
+            windows = hit_windows(results, lru, window, first_full)
+            full = [w["hit_rate_of_lru"] for w in windows if w["full"] and w["lru_hit_rate"]]
+            bounded.update(windows=windows, first_full_request=first_full,
+                           min_window_hit_rate_of_lru=min(full) if full else float("nan"))
     prompt = sum(r.prompt_tokens for r in ok)
     local, remote = hits if hits is not None else (sum(r.local_hit_tokens for r in ok),
                                                    sum(r.remote_hit_tokens for r in ok))
@@ -305,9 +336,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
         raise ValueError("--workload trace needs --trace PATH")
     rows = load_trace(args.trace, args.max_requests, args.first_request)
     reqs = mooncake_trace(rows, args.tokens_per_hash_id, args.max_prompt_tokens, args.output_tokens,
-                          args.time_scale or 1.0)
+                          args.time_scale or 1.0, args.trace_system_tokens)
     return reqs, {"trace": str(args.trace), "first_request": args.first_request, "trace_requests": len(rows),
-                  "hash_id_oracle_hit_rate": hash_id_oracle(rows), "tokens_per_hash_id": args.tokens_per_hash_id}
+                  "hash_id_oracle_hit_rate": hash_id_oracle(rows), "tokens_per_hash_id": args.tokens_per_hash_id,
+                  "trace_system_tokens": args.trace_system_tokens}
 
 
 CONFIGS = {"on": None, "off": None,
@@ -413,7 +445,8 @@ def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list
         delta = {k: int(after[k] - before[k]) for k in after}  # type: ignore[index]
         summary = summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"]))
     else:
-        summary = summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls))
+        summary = summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls),
+                            window=args.window)
     per_node = [after - before for after, before in zip(node_requests(urls), served, strict=True)]
     mean = sum(per_node) / len(per_node)
     summary.update(requests_per_node=per_node, load_max_over_mean=max(per_node) / mean if mean else 0.0)
@@ -518,6 +551,24 @@ def print_table(summaries: dict[str, dict]) -> None:
                   f"of the oracle, {ref} {off['hit_rate_of_oracle']:.0%}")
 
 
+def print_windows(summaries: dict[str, dict]) -> None:
+    """Each configuration's hit rate per window of requests beside the LRU oracle's (its last
+    round), and the lowest ratio once the caches and pools were full."""
+    for name, s in summaries.items():
+        windows = s.get("windows") or []
+        if len(windows) < 2:
+            continue
+        print(f"\n{name}: hit rate per {windows[1]['first']} requests (caches and pools full after request "
+              f"{s['first_full_request']})")
+        print(f"{'requests':>12} {'hit rate':>9} {'remote':>7} {'LRU':>7} {'/ LRU':>7}")
+        for w in windows:
+            last = w["first"] + w["requests"] - 1
+            print(f"{w['first']:>5}-{last:<6} {w['hit_rate']:>9.1%} {w['remote_hit_rate']:>7.1%} "
+                  f"{w['lru_hit_rate']:>7.1%} {w['hit_rate_of_lru']:>7.1%}{'' if w['full'] else '  (filling)'}")
+        print(f"lowest window once full: {s['min_window_hit_rate_of_lru']:.1%} of LRU; run: "
+              f"{s.get('hit_rate_of_lru', 0):.1%} of LRU")
+
+
 def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -546,6 +597,21 @@ def plot(summaries: dict[str, dict], results: dict[str, list[Result]], out_dir: 
     ax.set_ylabel("prompt tokens hit")
     ax.set_ylim(0, 1)
     paths.append(_save(plt, fig, ax, "prefix hit rate", out_dir / "hit_rate.png"))
+
+    windowed = {n: s["windows"] for n, s in summaries.items() if len(s.get("windows") or []) > 1}
+    if windowed:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for i, (name, windows) in enumerate(windowed.items()):
+            xs = [w["first"] + w["requests"] / 2 for w in windows]
+            line, = ax.plot(xs, [w["hit_rate"] for w in windows], marker="o", label=name)
+            if i == 0 or "pool-off" not in name:
+                ax.plot(xs, [w["lru_hit_rate"] for w in windows], linestyle="--", color=line.get_color(),
+                        label=f"LRU oracle ({name}'s capacity)")
+        ax.set_xlabel("request")
+        ax.set_ylabel("prompt tokens hit, per window")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        paths.append(_save(plt, fig, ax, "hit rate over the run", out_dir / "hit_rate_windows.png"))
     return paths
 
 
@@ -600,8 +666,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.urls:
         fronts = ["client"]
-    if args.repeat < 1:
-        print(f"kvpool bench cross-node: error: --repeat must be >= 1, got {args.repeat}", file=sys.stderr)
+    if args.repeat < 1 or args.window < 0:
+        print(f"kvpool bench cross-node: error: --repeat must be >= 1 and --window >= 0, got {args.repeat} and "
+              f"{args.window}", file=sys.stderr)
         return 2
     try:
         if args.pool_link_rate:
@@ -643,6 +710,7 @@ def main(args: argparse.Namespace) -> int:
         print_rounds(per_round)
         print(f"\nmedians of {args.repeat} rounds:")
     print_table(summaries)
+    print_windows(summaries)
     ref = reference(list(summaries))
     for name, n in same.items():
         print(f"outputs {name} == {ref} (greedy, token for token): {n} of {len(requests) * args.repeat} requests")

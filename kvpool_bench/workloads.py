@@ -119,14 +119,18 @@ def load_trace(path: str | Path, limit: int = 0, start: int = 0) -> list[dict]:
 
 
 def mooncake_trace(rows: list[dict], tokens_per_hash_id: int, max_prompt_tokens: int, max_output_tokens: int,
-                   time_scale: float = 1.0) -> list[BenchRequest]:
-    """Scaled prompts of a Mooncake trace (see the module docstring)."""
-    if tokens_per_hash_id < 1 or max_prompt_tokens < 2:
-        raise ValueError("tokens_per_hash_id must be >= 1 and max_prompt_tokens >= 2")
+                   time_scale: float = 1.0, system_tokens: int = 0) -> list[BenchRequest]:
+    """Scaled prompts of a Mooncake trace (see the module docstring). `system_tokens`: every
+    prompt opens with the same that many tokens (a system prompt all conversations share,
+    as in a chat service; the trace's own sharing follows it unchanged)."""
+    if tokens_per_hash_id < 1 or max_prompt_tokens < 2 or not 0 <= system_tokens < max_prompt_tokens:
+        raise ValueError("tokens_per_hash_id must be >= 1, max_prompt_tokens >= 2 and the trace's system tokens "
+                         "in [0, max_prompt_tokens)")
     chunks: dict[int, tuple[int, ...]] = {}
+    system = list(_tokens(random.Random("system"), system_tokens))
     out = []
     for i, row in enumerate(rows):
-        prompt: list[int] = []
+        prompt: list[int] = list(system)
         for h in row["hash_ids"]:
             if h not in chunks:
                 chunks[h] = _tokens(random.Random(h), tokens_per_hash_id)
@@ -193,6 +197,18 @@ def bounded_oracles(prompts: Sequence[Sequence[int]], computed: Sequence[Sequenc
     puts = [hash_blocks(seed, d, block_size) for d in computed]
     return ([n * block_size for n in lru_hits(refs, puts, capacity_blocks)],
             [n * block_size for n in belady_hits(refs, puts, capacity_blocks)])
+
+
+def fill_index(computed: Sequence[Sequence[int]], block_size: int, capacity_blocks: int, fingerprint: str = "") -> int:
+    """The first request after which the distinct full blocks computed so far exceed
+    `capacity_blocks` (the caches and pools are full from then on); len(computed) if never."""
+    seed = chain_seed(fingerprint, None)
+    seen: set[bytes] = set()
+    for i, done in enumerate(computed):
+        seen.update(hash_blocks(seed, done, block_size))
+        if len(seen) > capacity_blocks:
+            return i
+    return len(computed)
 
 
 def _prefix_in(cache: Container[object], ref: Sequence[object]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 # OpenMP threads that wait spin for a while before they sleep (libgomp's default spin count is
 # long). A server's engine thread shares the cores with its HTTP thread and the clients: a
@@ -42,29 +43,100 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     disk_bench.add_parser(benches)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvpool_bench import demo
-    from kvpool_cli import serve as serve_cli
-    from kvpool_harness import cluster
+# Our own packages: a missing one of these is a bug, never a missing extra.
+_OURS = {"kvpool_cli", "kvpool_bench", "kvpool_harness", "router", "connector", "engine", "kvpool", "metaserver",
+         "kvpool_proto"}
+_MISSING: set[str] = set()  # the commands added without their extra
+
+
+def _add_or_explain(sub: argparse._SubParsersAction, names: tuple[str, ...], extra: str,  # type: ignore[type-arg]
+                    add: Callable[[], None]) -> None:
+    """Add a command whose modules need an extra beyond the core distribution (pyproject.toml).
+    Without the extra the command is still listed and says what to install, and the others run:
+    `kvpool metaserver` from `pip install kvpool[cpu]`, without the engine's torch."""
+    loaded = set(sys.modules)
+    try:
+        add()
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] in _OURS:
+            raise
+        for name in set(sys.modules) - loaded:  # ours, half-imported, would import the next time
+            if name.split(".")[0] in _OURS:
+                del sys.modules[name]
+        for name in names:
+            _MISSING.add(name)
+            p = sub.add_parser(name, help=f"(needs kvpool[{extra}]: {err.name} is not installed)")
+            p.set_defaults(missing=f"kvpool {name} needs kvpool[{extra}] ({err.name} is not installed): "
+                                   f"pip install 'kvpool[{extra}]' (from a checkout: pip install '.[cpu,{extra}]')")
+
+
+# Commands of the core distribution: when one is named, no other command's modules are
+# imported (the engine's torch and the benchmarks take seconds to import; `kvpool admin
+# drain` runs in a pod's preStop hook, and an operator's `kvpool admin stats` should answer
+# as fast as etcdctl does).
+LIGHT = ("metaserver", "admin")
+
+
+def command_word(argv: list[str]) -> str | None:
+    """The command `argv` names (its first word that is no option nor --log-level's value)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: every command (`argv` None), or only a LIGHT command when
+    `argv` names one."""
     from metaserver import admin
     from metaserver import cli as metaserver_cli
-    from router import cli as router_cli
 
     parser = argparse.ArgumentParser(prog="kvpool", description="Mooncake-style global KV-cache pool")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     metaserver_cli.add_parser(sub)
     admin.add_parser(sub)
-    serve_cli.add_parsers(sub)
-    cluster.add_parser(sub)
-    router_cli.add_parser(sub)
-    _add_bench(sub)
-    demo.add_parser(sub)
+    if argv is not None and command_word(argv) in LIGHT:
+        metaserver_cli.add_log_level(parser)
+        return parser
+
+    def serve() -> None:
+        from kvpool_cli import serve as serve_cli
+        serve_cli.add_parsers(sub)
+
+    def cluster() -> None:
+        from kvpool_harness import cluster
+        cluster.add_parser(sub)
+
+    def router() -> None:
+        from router import cli as router_cli
+        router_cli.add_parser(sub)
+
+    def demo() -> None:
+        from kvpool_bench import demo
+        demo.add_parser(sub)
+
+    _add_or_explain(sub, ("serve", "generate"), "engine", serve)
+    _add_or_explain(sub, ("cluster",), "bench", cluster)
+    _add_or_explain(sub, ("router",), "router", router)
+    _add_or_explain(sub, ("bench",), "bench", lambda: _add_bench(sub))
+    _add_or_explain(sub, ("demo",), "bench", demo)
     metaserver_cli.add_log_level(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
+    if _MISSING:  # a command without its extra takes any arguments, and says what to install
+        args, _ = parser.parse_known_args(argv)
+        if getattr(args, "missing", None):
+            print(args.missing, file=sys.stderr)
+            return 2
+    args = parser.parse_args(argv)
     from metaserver.cli import configure_logging
 
     configure_logging(args.log_level)

@@ -64,8 +64,11 @@ class LocalCluster:
     def __init__(self, run_dir: Path, spec: ClusterSpec) -> None:
         if spec.nodes < 1:
             raise ValueError("a cluster needs at least one node")
-        if spec.pd is not None and (min(spec.pd) < 1 or not spec.connector or spec.engine != "kvpool"):
-            raise ValueError("P/D needs at least one prefill and one decode node, the pool, and kvpool nodes")
+        if spec.pd is not None and (min(spec.pd) < 1 or not spec.connector):
+            raise ValueError("P/D needs at least one prefill and one decode node, and the pool")
+        if spec.engine == "vllm" and spec.router == "prefix":
+            raise ValueError("vLLM nodes do not say their KV layout (the prefix policy needs it): route them "
+                             "round-robin or least-loaded")
         self.run_dir = Path(run_dir)
         self.spec = spec
         self.etcd: EtcdProcess | None = None
@@ -84,7 +87,7 @@ class LocalCluster:
             if self.spec.pd is not None:
                 pre, dec = self.spec.pd
                 self.nodes = [self._node(i, addr, "prefill") for i in range(pre)] + \
-                    [self._node(i, addr, "decode") for i in range(dec)]
+                    [self._node(i, addr, "decode", core=pre + i) for i in range(dec)]
             else:
                 self.nodes = [self._node(i, addr) for i in range(self.spec.nodes)]
             for n in self.nodes:  # load the models in parallel
@@ -93,7 +96,8 @@ class LocalCluster:
                 n.wait_ready(self.spec.ready_timeout_s)
             if self.spec.pd is not None:
                 urls = {role: [n.url for n in self.nodes if n.node_id.startswith(role)] for role in ("prefill", "decode")}
-                self.router = RouterProcess(self.run_dir / "router.log", [], self.spec.router or "prefix", addr,
+                policy = self.spec.router or ("least-loaded" if self.spec.engine == "vllm" else "prefix")
+                self.router = RouterProcess(self.run_dir / "router.log", [], policy, addr,
                                             extra_args=("--model", self.spec.model), prefill=urls["prefill"],
                                             decode=urls["decode"])
                 self.router.start(self.spec.ready_timeout_s)
@@ -107,15 +111,17 @@ class LocalCluster:
         self._write_state()
         return self
 
-    def _node(self, i: int, metaserver: str, role: str = "") -> EngineProcess | VllmProcess:
-        """Node `i` (of its P/D `role`: prefill = producer, decode = consumer)."""
+    def _node(self, i: int, metaserver: str, role: str = "", core: int | None = None) -> EngineProcess | VllmProcess:
+        """Node `i` (of its P/D `role`: prefill = producer, decode = consumer); a vLLM node's
+        threads bind to core `core` (default `i`) modulo the machine's."""
         name = f"{role or 'node'}-{i}"
         log = self.run_dir / f"{name}.log"
         disk = {"pool_disk": str(self.run_dir / f"{name}-disk"), "pool_disk_size": self.spec.pool_disk_size} \
             if self.spec.pool_disk_size and self.spec.connector else {}
-        if self.spec.engine == "vllm":
+        if self.spec.engine == "vllm":  # kv_both either way: vLLM's P/D protocol picks the role per request
             return VllmProcess(log, export_model(model=self.spec.model), name, metaserver,
-                               cpus=str(i % (os.cpu_count() or 1)), pool_size=self.spec.pool_size, extra_config=disk)
+                               cpus=str((i if core is None else core) % (os.cpu_count() or 1)),
+                               pool_size=self.spec.pool_size, extra_config=disk)
         kv_role = {"prefill": ("--kv-role", "producer"), "decode": ("--kv-role", "consumer")}.get(role, ())
         disk_args = ("--pool-disk", disk["pool_disk"], "--pool-disk-size", disk["pool_disk_size"]) if disk else ()
         return EngineProcess(log, name, metaserver, model=self.spec.model, pool_size=self.spec.pool_size,
@@ -206,7 +212,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                     help="also start `kvpool router` in front of the nodes (policy; default prefix)")
     up.add_argument("--pd", default="", metavar="P:D",
                     help="prefill/decode: P producer and D consumer nodes (instead of --nodes) behind `kvpool "
-                         "router --pd` (its prefill policy: --router, default prefix)")
+                         "router --pd` (its prefill policy: --router, default prefix; least-loaded for vLLM nodes)")
     status = cmds.add_parser("status", help="list the processes: running or gone, nodes ready")
     status.add_argument("--run-dir", default="runs/cluster")
     restart = cmds.add_parser("restart", help="stop one node by PID, start it again, same flags")
@@ -367,7 +373,7 @@ def main(args: argparse.Namespace) -> int:
     if cluster.metaserver is not None:
         print(f"metaserver: {cluster.metaserver.address}")
     if cluster.router is not None:
-        kind = f"P/D, prefill policy {spec.router or 'prefix'}" if spec.pd else args.router
+        kind = f"P/D, prefill policy {cluster.router.policy}" if spec.pd else args.router
         print(f"router ({kind}): {cluster.router.url} (pid {cluster.router.pid}, log {cluster.router.log_path})")
     print(f"stop with: kvpool cluster down --run-dir {run_dir}")
     return 0

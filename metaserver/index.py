@@ -256,6 +256,19 @@ class BlockIndex:
             runs[n] = matched
         return matched, {n: k for n, k in runs.items() if k}
 
+    def present(self, namespace: Namespace, chain: Sequence[BlockHash]) -> list[bool]:
+        """Per block of `chain`, whether some node that is not suspect holds it (anywhere in
+        the chain: a router predicts the run a node pulls from where its own cache stops)."""
+        ns_map = self._blocks.get(namespace)
+        if ns_map is None:
+            return [False] * len(chain)
+        suspect = self.suspects() if self._suspect else ()
+        out = []
+        for h in chain:
+            holders = ns_map.get(h)
+            out.append(bool(holders) and (not suspect or bool(holders.keys() - suspect)))
+        return out
+
     def namespace_state(self, namespace: Namespace) -> tuple[list[NodeRecord], list[BlockLocation],
                                                             dict[NodeId, float]]:
         """The namespace's nodes, every copy of its blocks, and its suspect nodes (seconds left):

@@ -86,6 +86,13 @@ class IndexView:
         with self._lock:
             return self._index.prefix_by_node(self.namespace, cast(Sequence[BlockHash], chain))
 
+    def present(self, chain: Sequence[bytes]) -> list[bool] | None:
+        """`BlockIndex.present` on the view; None while the view is not current."""
+        if not self.current():
+            return None
+        with self._lock:
+            return self._index.present(self.namespace, cast(Sequence[BlockHash], chain))
+
     def wait_current(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.current():

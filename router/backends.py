@@ -40,6 +40,10 @@ class LayoutError(Exception):
     """A node's KV layout differs from the router's (or the other nodes'); one line."""
 
 
+class NoLayout(LayoutError):
+    """A node has no /kv_layout: not a kvpool engine node (e.g. a vLLM server)."""
+
+
 @dataclass
 class Backend:
     url: str
@@ -130,8 +134,8 @@ class Backends:
             try:
                 async with self.session.get(f"{url}/kv_layout", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 404:
-                        raise LayoutError(f"node {url} has no /kv_layout (not a kvpool engine node): "
-                                          "policy prefix needs kvpool nodes")
+                        raise NoLayout(f"node {url} has no /kv_layout (not a kvpool engine node): "
+                                       "policy prefix needs kvpool nodes")
                     if r.status == 200:
                         return await r.json()
                     why = f"HTTP {r.status}"

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from router.policy import POLICIES
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -83,7 +86,7 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
     from metaserver.credentials import ClientSecurity
     from metaserver.view import IndexView
     from router.app import Router, build_app
-    from router.backends import Backends, LayoutError
+    from router.backends import Backends, LayoutError, NoLayout
     from router.chain import PromptHasher
     from router.discovery import Discovery, first_announced
     from router.pd import PDRouter
@@ -116,8 +119,16 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
             client.close()
 
     try:
-        if args.policy == "prefix" or args.pd:  # P/D: the KV handed over must fit every node's cache
-            layouts = [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
+        layouts: list[dict] = []
+        if args.pd and args.policy != "prefix":
+            # P/D: the KV handed over must fit every node's cache, checked where the nodes say
+            # their layout; vLLM servers do not (their connector checks it on each hand-off).
+            try:
+                layouts = [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
+            except NoLayout as err:
+                log.info("%s: not checking the nodes' KV layouts (their connectors do)", err)
+        if args.policy == "prefix" or layouts:
+            layouts = layouts or [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
             if not layouts:  # --discover alone: the first node to register fixes the layout
                 assert client is not None
                 first = await first_announced(client, args.startup_timeout)

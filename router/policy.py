@@ -4,8 +4,9 @@
 - `least-loaded`: the node with the fewest requests (running + waiting); ties in turn.
 - `prefix`: the node where the request's first token comes soonest, in prefill tokens. For
   each node it predicts the tokens the request computes there: the prompt, less the blocks
-  the node holds itself (a local hit, free), less `pull_value` of each block the pool holds
-  elsewhere (a pull costs a little, a recompute all). To that it adds the node's queue: the
+  the node holds itself from block 0 (a local hit, free), less `pull_value` of each block
+  of the run the pool holds from there, whatever it lacks before, as the connector loads
+  (a pull costs a little, a recompute all). To that it adds the node's queue: the
   predicted compute of this router's requests there still waiting for their first token,
   and `load_weight` tokens for each request there already generating (they share its steps)
   or sent by someone else. It takes the cheapest (ties: least loaded, then in turn).
@@ -131,15 +132,19 @@ class Prefix(Policy):
             return Choice(self._least_loaded(nodes))
         # The last prompt token is always computed: at most (num_tokens - 1) // bs blocks hit.
         hashes = chain.hashes[:(chain.num_tokens - 1) // self.block_size]
-        pool, by_node = 0, {}
+        by_node: dict = {}
+        present: list[bool] = []
         got = self.view.prefix_by_node(hashes) if self.view is not None else None
         if got is not None:
             self.view_answers += 1
-            pool, by_node = got
+            by_node = got[1]
+            present = self.view.present(hashes) or []  # type: ignore[union-attr]
         costs: list[tuple[float, Choice]] = []
         for n in nodes:
             local = max(by_node.get(n.node_id, 0) if n.node_id else 0, self.table.prefix(n, hashes))
-            pulled = max(0, pool - local)
+            # As the connector loads: the run the pool holds from where the node's own blocks
+            # stop, whatever it lacks before (a hot first block is often in no pool).
+            pulled = run_from(present, local)
             compute = chain.num_tokens - (local + self.pull_value * pulled) * self.block_size
             queue = n.prefilling + self.load_weight * (n.decoding + n.external)
             costs.append((compute + queue, Choice(n, (local + pulled) * self.block_size, round(compute))))
@@ -155,6 +160,16 @@ class Prefix(Policy):
 
     def forget(self, node: Backend) -> None:
         self.table.forget(node)
+
+
+def run_from(present: Sequence[bool], start: int) -> int:
+    """Consecutive True entries of `present` from index `start`."""
+    n = 0
+    for p in present[start:]:
+        if not p:
+            break
+        n += 1
+    return n
 
 
 def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 32.0,

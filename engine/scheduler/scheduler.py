@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector.config import KVTransferConfig
 from engine.outputs import RequestOutput, make_output, stop_at_max_tokens
 from engine.request import Request, RequestStatus
 from engine.step import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
@@ -52,8 +53,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
-    kv_load_failure_policy: str = "recompute"   # or "fail"
-    kv_load_timeout_s: float = 30.0             # a load not reported by then fails the request
+    kv_load_failure_policy: str = KVTransferConfig.kv_load_failure_policy   # or "fail"
+    kv_load_timeout_s: float = KVTransferConfig.kv_load_timeout_s         # a load not reported by then fails it
     long_prefill_token_threshold: int = 0       # > 0: a request's prefill chunk per step is at most this
     kv_load_wait_s: float = 0.0                 # > 0: load-ahead steps wait this long for their loads
 

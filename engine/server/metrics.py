@@ -72,6 +72,8 @@ ENGINE_STATS: dict[str, Stat] = {
     # the connector's scheduler half (connector.pool_scheduler.PoolScheduler.counters)
     "connector_hit_blocks": _counter("Blocks the pool index offered for this node's requests (anywhere in a chain)"),
     "connector_saves_skipped": _counter("Blocks not saved: computed here for the first time (selective policy)"),
+    "connector_touched_blocks": _counter("Local-hit blocks marked used in this node's pool (its LRU)"),
+    "connector_reoffered_blocks": _counter("Local-hit blocks saved again: the index held them nowhere"),
     "connector_handoff_loads": _counter("Requests whose hit came from a producer's transfer params (P/D)"),
     "connector_handoff_sends": _counter("Requests handed to a remote decode node (P/D)"),
     "connector_handoff_bad_params": _counter("Transfer params that could not be read (looked up instead)"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.request
 import sys
 from pathlib import Path
 
@@ -94,6 +95,34 @@ def test_cluster_up_pd(tmp_path: Path) -> None:
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
     assert down.returncode == 0 and down.stdout.count("stopped") == 5
+
+
+@pytest.mark.timeout(900)
+def test_cluster_up_vllm_pd(tmp_path: Path) -> None:
+    """`--engine vllm --pd 1:1`: two vLLM servers with the plug-in behind `kvpool router --pd`
+    (least-loaded: vLLM servers do not say their layout); a prompt through the router is
+    handed from one to the other on vLLM's own protocol. The prefix policy is refused."""
+    run = tmp_path / "vllm-pd"
+    bad = kvpool("cluster", "up", "--engine", "vllm", "--pd", "1:1", "--router", "prefix", "--run-dir", str(run))
+    assert bad.returncode == 1 and "least-loaded" in bad.stderr and not (run / "cluster.json").exists()
+    up = kvpool("cluster", "up", "--engine", "vllm", "--pd", "1:1", "--run-dir", str(run), timeout=600)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert "P/D, prefill policy least-loaded" in up.stdout
+        info = json.loads((run / "cluster.json").read_text())
+        prefill, decode, router = (p["address"] for p in info["processes"][2:])
+        prompt = list(range(1000, 1000 + 3 * 128 + 5))
+        status, body = http_json(router + "/v1/completions", {"model": "smollm2", "prompt": prompt, "max_tokens": 4,
+                                                              "temperature": 0})
+        assert status == 200, body
+        metric = "kvpool:connector_loaded_blocks_total"
+        with urllib.request.urlopen(decode + "/metrics", timeout=10) as resp:
+            loaded = sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
+                         if line.startswith(metric))
+        assert loaded == 3
+    finally:
+        down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
+    assert down.returncode == 0
 
 
 def test_cluster_nodes_get_a_disk_tier_each(tmp_path: Path) -> None:

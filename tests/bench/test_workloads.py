@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_bench.cross_node import route
-from kvpool_bench.workloads import (BenchRequest, Conversations, hash_id_oracle, load_trace, mooncake_trace, multi_turn,
-                                    oracle_hits, prefix_oracle)
+from kvpool_bench.cross_node import Result, hit_windows, route
+from kvpool_bench.workloads import (BenchRequest, Conversations, fill_index, hash_id_oracle, load_trace, mooncake_trace,
+                                    multi_turn, oracle_hits, prefix_oracle)
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -170,3 +170,31 @@ def test_bounded_oracles_agree_with_the_infinite_oracle_when_everything_fits() -
     assert sum(small_lru) <= sum(small_belady) <= sum(lru)
     unique = [r.prompt for r in unique_prompts(20, 40, 80, 4, seed=2)]
     assert bounded_oracles(unique, unique, 16, 10_000) == ([0] * 20, [0] * 20)
+
+
+def test_a_trace_can_open_every_prompt_with_one_shared_system_prompt(tmp_path: Path) -> None:
+    rows = [{"timestamp": 0, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 2]},
+            {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8]}]
+    reqs = mooncake_trace(rows, 32, 80, 8, system_tokens=16)
+    assert reqs[0].prompt[:16] == reqs[1].prompt[:16] and reqs[0].prompt[16:48] != reqs[1].prompt[16:48]
+    assert [len(r.prompt) for r in reqs] == [80, 80]              # the cut counts the system prompt too
+    assert reqs[0].prompt[16:] == mooncake_trace(rows, 32, 64, 8)[0].prompt
+    with pytest.raises(ValueError, match="system tokens"):
+        mooncake_trace(rows, 32, 80, 8, system_tokens=80)
+
+
+def test_fill_index_is_the_request_after_which_the_distinct_blocks_outgrow_the_capacity() -> None:
+    prompts = [list(range(i * 100, i * 100 + 32)) for i in range(5)]   # 2 new blocks of 16 each
+    assert fill_index(prompts, 16, 5) == 2                            # 2, 4, then 6 > 5
+    assert fill_index(prompts, 16, 100) == 5                          # never
+
+
+def test_hit_windows_compare_each_window_with_lru() -> None:
+    def res(i: int, hit: int, err: str = "") -> Result:
+        return Result(f"r{i}", 0, 100, 1, hit // 2, hit - hit // 2, 0.1, 0.2, err)
+    results = [res(0, 0), res(1, 20), res(2, 50), res(3, 40, "boom"), res(4, 80)]
+    lru = [0, 40, 50, 40, 40]
+    w = hit_windows(results, lru, 2, first_full=1)
+    assert [x["first"] for x in w] == [0, 2, 4] and [x["requests"] for x in w] == [2, 1, 1]
+    assert [x["hit_rate"] for x in w] == [0.1, 0.5, 0.8] and [x["lru_hit_rate"] for x in w] == [0.2, 0.5, 0.4]
+    assert [x["hit_rate_of_lru"] for x in w] == [0.5, 1.0, 2.0] and [x["full"] for x in w] == [False, True, True]

@@ -115,11 +115,12 @@ def test_a_producer_sends_only_the_computed_full_prompt_blocks(metaserver: Metas
     ask = {"do_remote_decode": True}
     table, chain = [5, 6, 7, 8], hashes(4)
     try:
-        assert sched.finish_request("done", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=60) is produce
+        assert sched.finish_request("done", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=60) \
+            == (3 if produce else 0)
         assert sched.finish_request("aborted", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=20) \
-            is produce
-        assert sched.finish_request("no-ask", None, table, chain, num_prompt_tokens=60, num_computed_tokens=60) is False
-        assert sched.finish_request("short", ask, [5], chain[:1], num_prompt_tokens=9, num_computed_tokens=9) is False
+            == (1 if produce else 0)
+        assert sched.finish_request("no-ask", None, table, chain, num_prompt_tokens=60, num_computed_tokens=60) == 0
+        assert sched.finish_request("short", ask, [5], chain[:1], num_prompt_tokens=9, num_computed_tokens=9) == 0
         sends = [(s.request_id, s.block_ids, s.block_hashes) for s in sched.build_meta().sends]
         assert sends == ([("done", (5, 6, 7), tuple(chain[:3])), ("aborted", (5,), tuple(chain[:1]))]
                          if produce else [])

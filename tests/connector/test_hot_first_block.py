@@ -69,12 +69,13 @@ def out_ids(body: dict) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
-def test_blocks_behind_an_evicted_hot_first_block_are_still_pulled(
+def test_a_hot_first_block_stays_and_the_blocks_behind_a_lost_one_are_still_pulled(
         cluster: tuple[dict[str, EngineProcess], str]) -> None:
     nodes, metaserver = cluster
     a, b, c = nodes["A"], nodes["B"], nodes["C"]
     # Both nodes serve conversations that share block 0 until their pools are full: block 0 is
-    # a local hit on each (never saved again), so the pools' LRU evicts it first.
+    # a local hit on each (never saved or read again). Without recency the pools' LRU evicts it
+    # first; with it, each local hit touches the pool's copy and it stays.
     for j in range(CONVERSATIONS):
         for node, seed in ((a, 100 + j), (b, 200 + j)):
             node.complete(conversation(seed), 2)
@@ -90,11 +91,17 @@ def test_blocks_behind_an_evicted_hot_first_block_are_still_pulled(
             return r.num_matched == USER_BLOCKS and set(r.nodes) == {holder}
 
         # Saves (copies, publishes, evictions) run off the engines' steps: wait until both
-        # pools evicted (block 0 first), the index holds block 0 nowhere, and the last
-        # conversations' own blocks on the nodes that computed them.
+        # pools evicted and the index holds the last conversations' own blocks on the nodes
+        # that computed them; block 0 is still held.
         wait_for(lambda: a.stats()["pool_evictions"] >= 16 and b.stats()["pool_evictions"] >= 16
-                 and client.query_prefix(namespace, a_last[:1]).num_matched == 0
                  and held_by(a_last, "node-a") and held_by(b_last, "node-b"), timeout_s=30, interval_s=0.05)
+        (first,) = client.query_prefix(namespace, a_last[:1]).locations
+        assert a.stats()["connector_touched_blocks"] >= CONVERSATIONS - 1
+
+        # Now the index loses block 0 (as when its owner drops it): lookups that walked from
+        # block 0 would find nothing behind it.
+        client.unpublish(first.node_id, [first.block_hash])
+        assert client.query_prefix(namespace, a_last[:1]).num_matched == 0
 
     # Each node asks for the other's last conversation, with a new turn: block 0 from its own
     # cache, the conversation's blocks from the other node's pool, the new turn computed.
@@ -109,3 +116,12 @@ def test_blocks_behind_an_evicted_hot_first_block_are_still_pulled(
         assert after["remote_hit_tokens"] - before["remote_hit_tokens"] == USER_BLOCKS * BS
         assert after["pool_remote_hit_blocks"] - before["pool_remote_hit_blocks"] == USER_BLOCKS
         assert out_ids(got) == out_ids(c.complete(prompt, 12)), other.node_id
+
+    # A request that uses block 0 as a local hit while the index holds it nowhere saves it
+    # again from its node's cache (re-offered: the first node to see it missing); the index
+    # holds it once more. (A node's view of the index follows the unpublish a moment later.)
+    seeds = iter(range(300, 10_000))
+    wait_for(lambda: a.stats()["connector_reoffered_blocks"] + b.stats()["connector_reoffered_blocks"] >= 1
+             or not b.complete(conversation(next(seeds)), 1), timeout_s=60, interval_s=0.2)
+    with MetaClient(metaserver) as client:
+        wait_for(lambda: client.query_prefix(namespace, a_last[:1]).num_matched == 1, timeout_s=30, interval_s=0.05)

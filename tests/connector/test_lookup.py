@@ -240,3 +240,95 @@ def test_the_run_after_the_local_hit_is_offered_whatever_the_pool_lacks_before_i
         assert matched(ps, "r3", chain, computed=20) == 12           # other runs are untouched
     finally:
         ps.close()
+
+
+def test_a_local_hit_touches_its_blocks_and_re_offers_those_the_index_lacks() -> None:
+    """Recency: the pool never sees a local hit, so the request's first step touches its
+    local-hit blocks in this node's pool and saves again those the index held nowhere (block
+    0 and 4 here), from the request's own cache blocks; once per request, never for a node
+    that does not save."""
+    client = GappedClient()
+    ps = scheduler(client)
+    ps.produce = True
+    try:
+        chain = hashes(7, 8)
+        assert matched(ps, "r", chain, computed=24) == 8            # local hit of blocks 0-5; 6-7 from "a"
+        ps.on_alloc("r", list(range(100, 108)), 8)
+        ps.build_meta()
+        ps.plan_save("r", 32, 1, list(range(100, 109)), chain)      # the first step, after the load
+        meta = ps.build_meta()
+        assert meta.touches == chain[:6]
+        assert [(s.block_ids, list(s.block_hashes)) for s in meta.saves] == [((100, 104), [chain[0], chain[4]])]
+        assert ps.counters()["connector_touched_blocks"] == 6 and ps.counters()["connector_reoffered_blocks"] == 2
+        ps.plan_save("r", 33, 1, list(range(100, 109)), chain)      # later steps: nothing again
+        meta = ps.build_meta()
+        assert meta.touches == [] and meta.saves == []
+        ps.produce = False
+        assert matched(ps, "r2", hashes(8, 8), computed=24) == 8
+        ps.plan_save("r2", 32, 1, list(range(200, 209)), hashes(8, 8))
+        meta = ps.build_meta()
+        assert meta.touches == [] and meta.saves == []
+    finally:
+        ps.close()
+
+
+class PublishingClient(ScriptedClient):
+    """A producer's blocks reach the index only after `published` is set: before, the index
+    holds only the chain's first block; after, the first `n` blocks (on node "p")."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.published = threading.Event()
+
+    def query_prefix_batch(self, queries, requester_node_id="", timeout_s=None, sparse=False):  # noqa: ANN001, ANN201
+        self.calls.append(len(queries))
+        k = self.n if self.published.is_set() else 1
+        return [QueryResult((), {}, tuple(BlockLocation(BlockHash(h), NodeId("p"), i * 64, 64, 1)
+                                          for i, h in enumerate(chain[:k]))) for _, chain in queries]
+
+
+def test_a_decode_request_waits_for_a_vllm_producers_blocks_to_reach_the_index() -> None:
+    """P/D from a vLLM producer: its answer names the blocks by count (its worker publishes
+    them a moment later). The decode request asks again ("None") until the run reaches them,
+    then loads them; past `handoff_wait_s` it takes what the index holds."""
+    from connector import handoff
+
+    client = PublishingClient(5)
+    ps = scheduler(client)
+    try:
+        chain = hashes(9, 6)
+        params = handoff.vllm_producer_params("p", "req-1", [3, 4, 5], 5, "ns")
+        ps.start_lookup("d", chain, 25, params)
+        wait_for(lambda: client.calls)
+        assert all(ps.num_matched_tokens("d", chain, 25, 0) is None for _ in range(3))  # 1 block of 5: wait
+        client.published.set()
+        assert wait_for(lambda: ps.num_matched_tokens("d", chain, 25, 0)) == 20        # all 5 blocks
+        assert ps.counters()["connector_handoff_loads"] == 1
+        # Another layout's producer: nothing expected, a plain lookup.
+        other = handoff.vllm_producer_params("p", "req-2", [3], 5, "other-layout")
+        client.published.clear()
+        ps.start_lookup("e", chain, 25, other)
+        assert wait_for(lambda: ps.num_matched_tokens("e", chain, 25, 0) is not None and 1) and \
+            ps.num_matched_tokens("e", chain, 25, 0) == 4
+        with pytest.raises(ValueError, match="kvpool_num_blocks"):
+            handoff.expected_blocks({**params, "kvpool_num_blocks": -1}, "ns")
+    finally:
+        ps.close()
+
+
+def test_past_the_wait_a_decode_request_takes_what_the_index_holds() -> None:
+    from connector import handoff
+
+    client = PublishingClient(5)
+    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "lookup_view": False, "handoff_wait_s": 0.2}
+    from connector.pool_scheduler import PoolScheduler
+    from connector.settings import PoolConnectorSettings
+    ps = PoolScheduler(PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0), "ns", 4,
+                       consume=True, produce=False, client=client)
+    try:
+        chain = hashes(10, 6)
+        ps.start_lookup("d", chain, 25, handoff.vllm_producer_params("p", "r", [1], 5, "ns"))
+        assert wait_for(lambda: ps.num_matched_tokens("d", chain, 25, 0), timeout_s=10) == 4   # never published
+    finally:
+        ps.close()

@@ -23,7 +23,7 @@ from kvpool_harness.vllm_node import ROOT, VLLM_VENV, VllmProcess, export_model
 from metaserver.client import MetaClient
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # five vLLM servers start in the first test
 
 BS = 128                 # vLLM's default block size on CPU
 HITS = "vllm:external_prefix_cache_hits_total"

@@ -141,7 +141,7 @@ def test_both_connector_halves_report_only_classified_statistics() -> None:
     finally:
         client.end.set()
         sched.close()
-    saver = Saver(lambda *_: True, 64)
+    saver = Saver(lambda *_: True, 64, 256)
     try:
         worker = SimpleNamespace(stats=TransferStats(), _saver=saver, pool=_Pool())
         worker_keys = set(PoolWorker.counters(worker))  # type: ignore[arg-type]

@@ -146,6 +146,19 @@ def test_full_pool_evicts_lru_and_unpublishes(metaserver: MetaserverProcess) -> 
         pool.close()
 
 
+def test_touch_marks_held_blocks_used_and_ignores_the_rest(metaserver: MetaserverProcess) -> None:
+    """A local hit in the engine's cache touches the pool's copy: it is evicted last."""
+    pool = make_pool(metaserver, "touch", 8, evict_batch=2)
+    try:
+        hashes = fill(pool, 8)
+        assert pool.touch([hashes[0], hashes[1], b"\x07" * 32]) == 2    # not held: ignored
+        assert lru_order(pool)[:2] == [hashes[2], hashes[3]] and lru_order(pool)[-2:] == hashes[:2]
+        fill(pool, 1, seed="extra")
+        assert hashes[0] in pool and hashes[1] in pool and hashes[2] not in pool
+    finally:
+        pool.close()
+
+
 def test_eviction_unpublishes_without_holding_the_pool(metaserver: MetaserverProcess) -> None:
     """An evicting put waits for its unpublish RPC outside the pool's lock: with the metaserver
     frozen, the pool still answers and serves local reads meanwhile; the evicted slots are

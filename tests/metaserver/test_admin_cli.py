@@ -165,3 +165,15 @@ def test_log_level_goes_before_or_after_the_command(args: list[str], monkeypatch
     assert parser.parse_args(["--log-level", "WARNING", *args]).log_level == "WARNING"
     assert parser.parse_args([*args, "--log-level", "WARNING"]).log_level == "WARNING"
     assert parser.parse_args(["--log-level", "ERROR", *args, "--log-level", "WARNING"]).log_level == "WARNING"
+
+
+@pytest.mark.parametrize("argv", [["admin", "--help"], ["--log-level", "INFO", "admin", "nodes", "--help"],
+                                  ["metaserver", "--help"]])
+def test_admin_and_metaserver_import_neither_torch_nor_the_benchmarks(argv: list[str]) -> None:
+    """The core commands start in a fraction of a second: they never load the engine."""
+    code = ("import sys\nfrom kvpool_cli.main import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'engine', 'kvpool_bench', 'kvpool_harness', 'router'))\nprint('HEAVY', heavy)\n" % argv)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stdout, r.stdout[-2000:]

@@ -114,8 +114,11 @@ def test_prefix_by_node_counts_each_holders_own_run() -> None:
     assert idx.prefix_by_node(NS, chain) == (6, {NodeId("a"): 4, NodeId("b"): 2})
     assert idx.prefix_by_node(NS, [h(9)] + chain) == (0, {})
     assert idx.prefix_by_node(Namespace("other"), chain) == (0, {})
+    assert idx.present(NS, [h(9)] + chain) == [False, True, True, True, True, True, True, False, False]
+    assert idx.present(Namespace("other"), chain[:2]) == [False, False]
     assert idx.mark_suspect(NodeId("a"), 30)  # not offered: block 3 is then missing
     assert idx.prefix_by_node(NS, chain) == (3, {NodeId("b"): 2})
+    assert idx.present(NS, chain) == [True, True, True, False, True, True, False, False]
 
 
 def test_sparse_query_answers_every_block_held_and_the_run_from_any_block() -> None:

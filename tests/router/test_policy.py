@@ -1,5 +1,6 @@
 """Routing policies on their own: scores, ties, the route table (no network; the index view is
-a stand-in object answering `prefix_by_node`, which tests/metaserver covers for real)."""
+a stand-in object answering `prefix_by_node` and `present`, which tests/metaserver covers for
+real)."""
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,18 @@ def chain(n_blocks: int, base: int = 0, extra_tokens: int = 5) -> Chain:
 
 
 class View:
-    """Answers as IndexView.prefix_by_node would for a fixed index."""
+    """Answers as IndexView.prefix_by_node and present would for a fixed index: the pool
+    holds chain blocks 0..pool-1 and `also` (past a gap)."""
 
-    def __init__(self, pool: int, by_node: dict[str, int]) -> None:
+    def __init__(self, pool: int, by_node: dict[str, int], also: tuple[int, ...] = ()) -> None:
         self.answer = (pool, by_node)
+        self.also = also
 
     def prefix_by_node(self, hashes):  # noqa: ANN001, ANN201
         return (min(self.answer[0], len(hashes)), {k: min(v, len(hashes)) for k, v in self.answer[1].items()})
+
+    def present(self, hashes):  # noqa: ANN001, ANN201
+        return [i < self.answer[0] or i in self.also for i in range(len(hashes))]
 
 
 def nodes(*loads: int) -> list[Backend]:
@@ -100,3 +106,14 @@ def test_bad_policy_settings() -> None:
         make_policy("random")
     with pytest.raises(ValueError, match="pull_value"):
         Prefix(BS, pull_value=1.5)
+
+
+def test_prefix_counts_the_run_the_pool_holds_after_a_nodes_own_blocks_past_a_gap() -> None:
+    """Block 0 is in no pool (a hot first block, a local hit everywhere), blocks 1-9 are: the
+    node whose own cache holds block 0 (the route table says so) pulls 1-9, as the
+    connector loads; another node pulls nothing (the run from its block 0 is empty)."""
+    ns = nodes(0, 0)
+    p = Prefix(BS, View(pool=0, by_node={}, also=tuple(range(1, 10))), load_weight=16, pull_value=0.5)
+    p.routed(ns[1], chain(1))                      # n1's cache holds block 0
+    c = p.choose(ns, chain(12))                    # n1: 197 - (1 + 0.5 * 9) * 16 = 109; n0: 197
+    assert c.node.url == "http://n1" and c.predicted_hit_tokens == 160 and c.compute_tokens == 109
