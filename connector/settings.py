@@ -70,9 +70,9 @@ class PoolConnectorSettings:
     tls_key_file: str = ""
     token_file: str = ""
     api_url: str = ""                  # the engine's API (http://HOST:PORT) in the registry; "" = none
+    handoff_wait_s: float = 5.0        # P/D from a vLLM producer: wait this long for its blocks in the index
     disk_dir: str = ""                 # the pool's disk tier (kvpool.disk); off unless this and
     disk_size_bytes: int = 0           # its size are both set
-    handoff_wait_s: float = 5.0        # P/D from a vLLM producer: wait this long for its blocks in the index
 
     @classmethod
     def from_extra(cls, extra: Callable[[str, Any], Any], load_timeout_s: float) -> PoolConnectorSettings:
@@ -104,9 +104,9 @@ class PoolConnectorSettings:
                        debug_load_delay_s=float(extra("debug_load_delay_s", 0.0)),
                        tls_ca_file=extra("metaserver_tls_ca", ""), tls_cert_file=extra("metaserver_tls_cert", ""),
                        tls_key_file=extra("metaserver_tls_key", ""), token_file=extra("metaserver_token_file", ""),
-                       api_url=str(extra("api_url", "")), disk_dir=str(extra("pool_disk", "")),
-                       disk_size_bytes=parse_size(extra("pool_disk_size", 0)),
-                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)))
+                       api_url=str(extra("api_url", "")),
+                       handoff_wait_s=float(extra("handoff_wait_s", cls.handoff_wait_s)),
+                       disk_dir=str(extra("pool_disk", "")), disk_size_bytes=parse_size(extra("pool_disk_size", 0)))
         except (TypeError, ValueError) as err:
             raise ValueError(f"kv_connector_extra_config: {err}") from None
 
