@@ -167,6 +167,16 @@ class DiskTier:
         with self._lock:
             return [self._block(s) for s in self._lru.values()]
 
+    def touch(self, hashes: list[bytes]) -> int:
+        """Mark the blocks of `hashes` held here as recently used; returns how many are."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h in self._index:
+                    self._lru.move_to_end(BlockHash(h))
+                    n += 1
+        return n
+
     def holds(self, block_hash: bytes, generation: int) -> bool:
         with self._lock:
             slot = self._index.get(BlockHash(block_hash))

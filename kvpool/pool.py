@@ -248,14 +248,20 @@ class NodePool:
 
     def touch(self, hashes: Sequence[bytes]) -> int:
         """Mark the blocks of `hashes` this pool holds as recently used (a use the pool did
-        not see: a local hit in the engine's own cache); returns how many it holds."""
+        not see: a local hit in the engine's own cache), in DRAM or else on its disk tier;
+        returns how many it holds."""
         n = 0
+        missed = []
         with self._lock:
             lru = self._lru
             for h in hashes:
                 if h in lru:
                     lru.move_to_end(BlockHash(h))
                     n += 1
+                else:
+                    missed.append(h)
+        if missed and self.disk is not None:
+            n += self.disk.touch(missed)
         return n
 
     def node_record(self) -> NodeRecord:

@@ -284,3 +284,12 @@ def make_pool_disk_blocks(d: Path) -> list[bytes]:
         return [b.block_hash for b in p.disk.blocks()]
     finally:
         p.close()
+
+
+def test_touch_refreshes_disk_blocks_too(pool: NodePool) -> None:
+    """A local hit in the engine's cache (`touch`) keeps a block held only on disk from being
+    the next one the disk evicts."""
+    hashes = put_chain(pool, 8)  # 0..3 on disk (oldest first), 4..7 in DRAM
+    assert pool.disk is not None
+    assert pool.touch([hashes[0], hashes[5], block_hash("never", 0)]) == 2
+    assert [b.block_hash for b in pool.disk.blocks()] == [hashes[1], hashes[2], hashes[3], hashes[0]]
