@@ -117,7 +117,10 @@ class NodePool:
         if self.client is None:
             return
         if self.disk is not None:
-            self._stager = StageServer(self._tiers.stage, io_timeout_s=self.config.read_timeout_s)
+            # On the address peers reach this node's transfer engine at (127.0.0.1 on one
+            # machine): a reader on another host must reach this node, not its own loopback.
+            self._stager = StageServer(self._tiers.stage, host=self.config.transfer.local_hostname,
+                                       io_timeout_s=self.config.read_timeout_s)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s, api_url=self.config.api_url,
