@@ -197,12 +197,18 @@ class DiskTier:
             return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
 
     def close(self) -> None:
-        """Stop the writer (after the offers queued so far) and close the file. Idempotent."""
+        """Stop the writer and close the file; offers not written yet are dropped (`flush`
+        first to keep them). Idempotent. A writer stuck in a write keeps the file open (its
+        descriptor must not be reused under it)."""
+        with self._lock:
+            self.enabled = False  # the writer skips what is still queued
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(30)
+            if self._writer.is_alive():
+                log.error("disk tier %s: the writer is stuck in a write; its file stays open", self.path)
+                return
         with self._lock:
-            self.enabled = False
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
