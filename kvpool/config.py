@@ -26,6 +26,7 @@ class PoolConfig:
     disk_size_bytes: int = 0             # its size are both set
     disk_queue_blocks: int = 32          # evicted blocks waiting for the disk writer at most (more are dropped)
     disk_save_on_close: bool = True      # close() writes the blocks still in DRAM to disk (warm restart)
+    disk_save_timeout_s: float = 30.0    # ... for this long at most
 
     def __post_init__(self) -> None:
         if not self.node_id or "/" in self.node_id:

@@ -1,25 +1,27 @@
 """The node pool's disk tier: one preallocated file of fixed block slots under the DRAM slots.
 
 Where it sits: `NodePool` offers each block it evicts from DRAM (`offer`, on the thread that
-evicts: the saver thread in async mode, never the engine loop); the bytes are copied into a
-staging buffer owned by this tier before the DRAM slot is freed, and a background writer
-thread writes them to a disk slot. A read of a block held only here (`read_into`) is
-validated and then promoted back into DRAM by the pool.
+evicts: the saver thread in async mode); the bytes are copied into a staging buffer owned by
+this tier before the DRAM slot is freed (a memcpy: no caller ever waits on the disk), and a
+background writer thread writes them to a disk slot. A read of a block held only here
+(`read_into`, on a pool thread: `kvpool.tier_reads`) is validated and then promoted back
+into DRAM by the pool.
 
 Why write-on-evict (not write-through): the disk then takes exactly the blocks DRAM cannot
 hold, once per stay in DRAM, and a block saved and hit while it is hot in DRAM costs no disk
 write at all; write-through would put every save on the disk (at save rate, not eviction
 rate). The price: a node killed with blocks that never left DRAM loses those on restart
-(its disk keeps every block it evicted).
+(its disk keeps every block it evicted); a clean shutdown writes them (`NodePool.close`).
 
 Why O_DIRECT from page-aligned (mmap) buffers, buffered I/O as fallback: measured on this
-machine's ext4 (`kvpool bench disk`, 512 KiB random slots, iodepth 1) O_DIRECT wrote
-2.3-2.5 GB/s against 0.27-0.35 GB/s buffered-plus-fdatasync and fio's 2.7-3.4 GB/s, and read
-0.9-1.7 GB/s against 0.4-1.3 GB/s buffered (noisy), fio 1.6-1.9 GB/s; O_DIRECT also keeps
-the tier out of the page cache, which the DRAM pool already is. A file system that refuses
-O_DIRECT gets buffered I/O. The tier itself (`kvpool bench disk`, 1 MiB slots): 1.8 GB/s of writes once slots are reused (fio 1.9-2.2 GB/s) but ~0.8 GB/s on the
-first write of each slot (ext4 converts the preallocated, unwritten extents then), and 0.8-0.9
-GB/s of validated reads (fio 1.0-1.2 GB/s).
+machine's ext4 (`kvpool bench disk`, random slots, iodepth 1; docs/BENCHMARKS.md) O_DIRECT
+wrote 1.2-2.5 GB/s against 0.27-0.35 GB/s for buffered writes made durable by fdatasync
+(buffered ones left in the page cache: 1.5 GB/s), and read 0.9-1.7 GB/s against 0.4-1.3 GB/s
+buffered (a noisy virtual disk; fio 1.1-1.9 GB/s); O_DIRECT also keeps the tier out of the
+page cache, which the DRAM pool already is. A file system that refuses O_DIRECT gets
+buffered I/O. The tier itself, SmolLM2 blocks (741,376-byte slots): 1.6 GB/s of writes into
+reused slots (fio direct 2.2 GB/s), 1.25 GB/s into fresh ones (ext4 converts the
+preallocated, unwritten extents on first write), 0.9 GB/s of validated reads (fio 1.1 GB/s).
 
 On-disk layout (`kvpool.disk_file`): one slot file, each slot the DRAM slot's 64-byte header
 (`kvpool.layout.SlotHeader`) and its payload, rounded up to 4 KiB (O_DIRECT alignment); a
@@ -167,6 +169,16 @@ class DiskTier:
         with self._lock:
             return [self._block(s) for s in self._lru.values()]
 
+    def touch(self, hashes: list[bytes]) -> int:
+        """Mark the blocks of `hashes` held here as recently used; returns how many are."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h in self._index:
+                    self._lru.move_to_end(BlockHash(h))
+                    n += 1
+        return n
+
     def holds(self, block_hash: bytes, generation: int) -> bool:
         with self._lock:
             slot = self._index.get(BlockHash(block_hash))
@@ -187,12 +199,18 @@ class DiskTier:
             return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
 
     def close(self) -> None:
-        """Stop the writer (after the offers queued so far) and close the file. Idempotent."""
+        """Stop the writer and close the file; offers not written yet are dropped (`flush`
+        first to keep them). Idempotent. A writer stuck in a write keeps the file open (its
+        descriptor must not be reused under it)."""
+        with self._lock:
+            self.enabled = False  # the writer skips what is still queued
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(30)
+            if self._writer.is_alive():
+                log.error("disk tier %s: the writer is stuck in a write; its file stays open", self.path)
+                return
         with self._lock:
-            self.enabled = False
             fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -117,7 +118,10 @@ class NodePool:
         if self.client is None:
             return
         if self.disk is not None:
-            self._stager = StageServer(self._tiers.stage, io_timeout_s=self.config.read_timeout_s)
+            # On the address peers reach this node's transfer engine at (127.0.0.1 on one
+            # machine): a reader on another host must reach this node, not its own loopback.
+            self._stager = StageServer(self._tiers.stage, host=self.config.transfer.local_hostname,
+                                       io_timeout_s=self.config.read_timeout_s)
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s, api_url=self.config.api_url,
@@ -248,14 +252,20 @@ class NodePool:
 
     def touch(self, hashes: Sequence[bytes]) -> int:
         """Mark the blocks of `hashes` this pool holds as recently used (a use the pool did
-        not see: a local hit in the engine's own cache); returns how many it holds."""
+        not see: a local hit in the engine's own cache), in DRAM or else on its disk tier;
+        returns how many it holds."""
         n = 0
+        missed = []
         with self._lock:
             lru = self._lru
             for h in hashes:
                 if h in lru:
                     lru.move_to_end(BlockHash(h))
                     n += 1
+                else:
+                    missed.append(h)
+        if missed and self.disk is not None:
+            n += self.disk.touch(missed)
         return n
 
     def node_record(self) -> NodeRecord:
@@ -312,17 +322,24 @@ class NodePool:
     def _save_to_disk(self) -> None:
         """At close: write the blocks still in DRAM to the disk tier (oldest first, so the
         disk's LRU order follows DRAM's), so a restart on this directory finds them too. Only
-        blocks leaving DRAM go to disk while the pool runs (write-on-evict, kvpool.disk)."""
+        blocks leaving DRAM go to disk while the pool runs (write-on-evict, kvpool.disk).
+        Bounded by `disk_save_timeout_s` in all: a slow or stuck disk does not hold up the
+        shutdown (what is not written by then is lost, as after a kill)."""
         assert self.disk is not None
         with self._lock:
             held = [(s.block_hash, self._slot_addr(s)) for s in self._lru.values() if s.block_hash is not None]
+        deadline = time.monotonic() + self.config.disk_save_timeout_s
+        offered = 0
         for h, addr in held:  # nothing reuses the slots now: the pool is closing
-            if not self.disk.enabled:
+            left = deadline - time.monotonic()
+            if not self.disk.enabled or left <= 0:
                 break
-            self.disk.offer(h, addr, wait_s=10.0)
-        self.disk.flush(60.0)
-        log.info("node %s: %d DRAM blocks saved to the disk tier at close (%d there now)", self.config.node_id,
-                 len(held), len(self.disk))
+            self.disk.offer(h, addr, wait_s=left)
+            offered += 1
+        done = self.disk.flush(max(deadline - time.monotonic(), 0.0))
+        log.info("node %s: %d of %d DRAM blocks offered to the disk tier at close%s (%d there now)",
+                 self.config.node_id, offered, len(held), "" if done else ", not all written in time",
+                 len(self.disk))
 
     def _disk_written(self, block: DiskBlock) -> None:
         """The disk writer stored a block (or found it stored) after it left DRAM: publish the

@@ -9,6 +9,11 @@ as any DRAM block (one-sidedly, validated against that answer). A block the hold
 stage, or an answer that does not come within the reader's bound, is reported failed and
 recomputed.
 
+The server listens on the address peers reach the node's transfer engine at (its
+`local_hostname`: 127.0.0.1 for a pool on one machine) and answers anyone who reaches it: a
+request names hashes only, and the answer says where blocks sit, which the index tells every
+reader anyway; what it costs the holder is disk reads (a bounded request, a thread each).
+
 Wire format (TCP, one request per connection, little-endian): request u32 count, then count
 32-byte hashes; answer count records of (u8 staged, u64 offset, u64 generation).
 

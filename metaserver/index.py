@@ -258,15 +258,18 @@ class BlockIndex:
 
     def present(self, namespace: Namespace, chain: Sequence[BlockHash]) -> list[bool]:
         """Per block of `chain`, whether some node that is not suspect holds it (anywhere in
-        the chain: a router predicts the run a node pulls from where its own cache stops)."""
+        the chain: a router predicts the run a node pulls from where its own cache stops) in
+        a copy another node can have: in DRAM, or on a disk its holder stages from."""
         ns_map = self._blocks.get(namespace)
         if ns_map is None:
             return [False] * len(chain)
         suspect = self.suspects() if self._suspect else ()
+        nodes = self.nodes
         out = []
         for h in chain:
             holders = ns_map.get(h)
-            out.append(bool(holders) and (not suspect or bool(holders.keys() - suspect)))
+            out.append(bool(holders) and any(n not in suspect and (not loc.medium or nodes[n].stage_address)
+                                             for n, loc in holders.items()))
         return out
 
     def namespace_state(self, namespace: Namespace) -> tuple[list[NodeRecord], list[BlockLocation],

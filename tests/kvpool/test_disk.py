@@ -271,10 +271,11 @@ def test_a_closed_pool_saves_its_dram_blocks_and_a_new_one_finds_them(tmp_path: 
         assert ok == (0, 1) and np.array_equal(dest[BB:], block_content(hashes[-1], BB))
     finally:
         again.close()
-    off = make_pool(tmp_path / "disk2", disk_save_on_close=False)
-    put_chain(off, 10)
-    off.close()
-    assert len(make_pool_disk_blocks(tmp_path / "disk2")) == 10 - DRAM_BLOCKS
+    for name, kw in (("disk2", {"disk_save_on_close": False}), ("disk3", {"disk_save_timeout_s": 0.0})):
+        off = make_pool(tmp_path / name, **kw)  # not saved: off, or no time for it
+        put_chain(off, 10)
+        off.close()
+        assert len(make_pool_disk_blocks(tmp_path / name)) == 10 - DRAM_BLOCKS
 
 
 def make_pool_disk_blocks(d: Path) -> list[bytes]:
@@ -284,3 +285,12 @@ def make_pool_disk_blocks(d: Path) -> list[bytes]:
         return [b.block_hash for b in p.disk.blocks()]
     finally:
         p.close()
+
+
+def test_touch_refreshes_disk_blocks_too(pool: NodePool) -> None:
+    """A local hit in the engine's cache (`touch`) keeps a block held only on disk from being
+    the next one the disk evicts."""
+    hashes = put_chain(pool, 8)  # 0..3 on disk (oldest first), 4..7 in DRAM
+    assert pool.disk is not None
+    assert pool.touch([hashes[0], hashes[5], block_hash("never", 0)]) == 2
+    assert [b.block_hash for b in pool.disk.blocks()] == [hashes[1], hashes[2], hashes[3], hashes[0]]

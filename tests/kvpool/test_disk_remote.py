@@ -16,6 +16,7 @@ from kvpool.layout import slot_bytes_for
 from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
 from metaserver.types import Medium
+from tests.conftest import wait_for
 from tests.kvpool.hooks import put_bytes
 from tests.kvpool.pool_node import block_content, block_hash
 
@@ -40,11 +41,13 @@ def pools(metaserver: MetaserverProcess, tmp_path: Path) -> Iterator[tuple[NodeP
     a.close()
 
 
-def fill_a(a: NodePool, n: int) -> list[bytes]:
+def fill_a(a: NodePool, client: MetaClient, n: int) -> list[bytes]:
     hashes = [block_hash("chain", i) for i in range(n)]
     for h in hashes:
         assert put_bytes(a, h, block_content(h, BB))
     assert a.disk is not None and a.disk.flush() and a.flush_publishes()
+    # (a publish that missed its deadline on a loaded host is made good by the node's resync)
+    wait_for(lambda: client.query_prefix(NS, hashes, "A", sparse=True).num_held == n, timeout_s=30)
     return hashes
 
 
@@ -57,7 +60,7 @@ def read(b: NodePool, client: MetaClient, hashes: list[bytes]):
 
 def test_a_disk_block_of_another_node_is_staged_and_read(pools) -> None:
     a, b, client = pools
-    hashes = fill_a(a, DRAM_BLOCKS + 4)
+    hashes = fill_a(a, client, DRAM_BLOCKS + 4)
     on_disk = hashes[:4]
     r, res, dest = read(b, client, on_disk)
     assert r.num_matched == 4 and all(loc.node_id == "A" and loc.medium == Medium.DISK for loc in r.locations)
@@ -66,13 +69,16 @@ def test_a_disk_block_of_another_node_is_staged_and_read(pools) -> None:
         assert np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB))
     assert a.stats.disk_staged == 4 and b.stats.remote_hits == 4
     assert a.flush_publishes()
-    again = client.query_prefix(NS, on_disk, "B")  # promoted: DRAM copies now
-    assert again.num_matched == 4 and all(loc.medium == Medium.DRAM for loc in again.locations)
+    def promoted() -> bool:  # DRAM copies now
+        q = client.query_prefix(NS, on_disk, "B")
+        return q.num_matched == 4 and all(loc.medium == Medium.DRAM for loc in q.locations)
+
+    wait_for(promoted, timeout_s=30)
 
 
 def test_a_holder_that_does_not_stage_in_time_costs_a_recompute(pools) -> None:
     a, b, client = pools
-    hashes = fill_a(a, DRAM_BLOCKS + 4)
+    hashes = fill_a(a, client, DRAM_BLOCKS + 4)
     release = threading.Event()
     stage_fn = a._stager._server.stage_fn  # type: ignore[union-attr]
 

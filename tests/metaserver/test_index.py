@@ -195,6 +195,7 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
     assert change is not None and change.block == rec
     stats = idx.stats().namespaces[0]
     assert stats.num_copies == 4 and stats.num_disk_copies == 2
+    assert idx.present(NS, chain) == [True, False, True]  # a router cannot have a's disk copy pulled
 
     # A holder that stages (kvpool.stage) is offered for its disk copies, after any DRAM copy.
     from dataclasses import replace
@@ -204,3 +205,4 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
     assert [(loc.node_id, loc.medium) for loc in theirs.locations] == [("a", Medium.DRAM), ("a", Medium.DISK),
                                                                        ("b", Medium.DRAM)]
     assert _query_result(chain, query_response(theirs), sparse=False).nodes["a"].stage_address == "127.0.0.1:9"
+    assert idx.present(NS, chain) == [True, True, True]
