@@ -13,15 +13,11 @@ write at all; write-through would put every save on the disk (at save rate, not 
 rate). The price: a node killed with blocks that never left DRAM loses those on restart
 (its disk keeps every block it evicted); a clean shutdown writes them (`NodePool.close`).
 
-Why O_DIRECT from page-aligned (mmap) buffers, buffered I/O as fallback: measured on this
-machine's ext4 (`kvpool bench disk`, random slots, iodepth 1; docs/BENCHMARKS.md) O_DIRECT
-wrote 1.2-2.5 GB/s against 0.27-0.35 GB/s for buffered writes made durable by fdatasync
-(buffered ones left in the page cache: 1.5 GB/s), and read 0.9-1.7 GB/s against 0.4-1.3 GB/s
-buffered (a noisy virtual disk; fio 1.1-1.9 GB/s); O_DIRECT also keeps the tier out of the
-page cache, which the DRAM pool already is. A file system that refuses O_DIRECT gets
-buffered I/O. The tier itself, SmolLM2 blocks (741,376-byte slots): 1.6 GB/s of writes into
-reused slots (fio direct 2.2 GB/s), 1.25 GB/s into fresh ones (ext4 converts the
-preallocated, unwritten extents on first write), 0.9 GB/s of validated reads (fio 1.1 GB/s).
+Why O_DIRECT from page-aligned (mmap) buffers, buffered I/O as fallback: measured against
+buffered writes and reads and `fio` on the same directory (`kvpool bench disk`; figures in
+docs/BENCHMARKS.md, "Disk tier"), O_DIRECT wrote several times faster than buffered writes
+with fdatasync and read at least as fast, and it keeps the tier out of the page cache, which
+the DRAM pool already is. A file system that refuses O_DIRECT gets buffered I/O.
 
 On-disk layout (`kvpool.disk_file`): one slot file, each slot the DRAM slot's 64-byte header
 (`kvpool.layout.SlotHeader`) and its payload, rounded up to 4 KiB (O_DIRECT alignment); a
