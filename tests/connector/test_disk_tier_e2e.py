@@ -7,7 +7,6 @@ blocks leave both for the disk), B (a DRAM pool only), C (connector off).
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from kvpool.layout import slot_bytes_for
 from kvpool_harness.engine_node import EngineProcess
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
-from tests.conftest import wait_for
+from tests.conftest import out_ids, running, tokens, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,24 +36,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engine
                                extra_args=(*ARGS, "--kv-cache-bytes", "256MiB")),
             "C": EngineProcess(run / "C.log", "node-c", extra_args=(*ARGS, "--kv-cache-bytes", "256MiB")),
         }
-        try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=300)
+        with running(procs, 300):
             yield procs
-        finally:
-            for p in procs.values():
-                p.stop()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
-
-
-def out_ids(body: dict) -> list[int]:
-    return body["choices"][0]["token_ids"]
 
 
 def test_blocks_evicted_to_disk_are_hit_locally_and_from_another_node(nodes: dict[str, EngineProcess]) -> None:

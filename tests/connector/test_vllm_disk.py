@@ -5,7 +5,6 @@ empty KV cache), it loads a prompt from its own disk and answers as vLLM alone d
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from kvpool.layout import slot_bytes_for
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
-from tests.conftest import wait_for
+from tests.conftest import running, tokens, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +33,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmPr
                              extra_config={"pool_disk": str(run / "disk-d"), "pool_disk_size": "256MiB"}),
             "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="1"),  # vLLM alone
         }
-        try:
-            for p in procs.values():
-                p.start()
-            for p in procs.values():
-                p.wait_ready(timeout_s=400)
+        with running(procs, 400):
             yield procs
-        finally:
-            for p in procs.values():
-                p.stop()
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def test_a_restarted_vllm_node_loads_from_its_own_disk(nodes: dict[str, VllmProcess]) -> None:
