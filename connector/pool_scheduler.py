@@ -246,8 +246,9 @@ class PoolScheduler:
             run = run[:usable]
         expect = self._expect.get(request_id)
         if expect is not None:
-            if start + len(run) < expect[0] and usable == len(hit.answer.run_from(start)[:end - start]) \
-                    and time.monotonic() < expect[1]:
+            want, until = expect
+            # Not cut by a failed read (that sets hit.stop), short of the producer's blocks, in time:
+            if hit.stop == end and start + len(run) < want and time.monotonic() < until:
                 # A vLLM producer's blocks are not all in the index yet: look again next time.
                 self._hits.pop(request_id, None)
                 self._asked.pop(request_id, None)
