@@ -120,15 +120,15 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
 
     try:
         layouts: list[dict] = []
-        if args.pd and args.policy != "prefix":
-            # P/D: the KV handed over must fit every node's cache, checked where the nodes say
-            # their layout; vLLM servers do not (their connector checks it on each hand-off).
+        if args.policy == "prefix" or args.pd:  # P/D: the KV handed over must fit every node's cache
             try:
                 layouts = [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
             except NoLayout as err:
+                if args.policy == "prefix":
+                    raise
+                # vLLM servers do not say their layout; their connector checks it on each hand-off.
                 log.info("%s: not checking the nodes' KV layouts (their connectors do)", err)
         if args.policy == "prefix" or layouts:
-            layouts = layouts or [layout for g in groups for layout in await g.layouts(args.startup_timeout)]
             if not layouts:  # --discover alone: the first node to register fixes the layout
                 assert client is not None
                 first = await first_announced(client, args.startup_timeout)
