@@ -77,7 +77,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default="on,off",
                    help="pool configurations to run, comma-separated: on (save policy write_through), off, "
-                        "selective (pool on, save_policy selective), noview (pool on, lookups by RPC only)")
+                        "selective (pool on, save_policy selective), noview (pool on, lookups by RPC only), "
+                        "disk (pool on with a disk tier of --pool-disk-size under each node's DRAM pool)")
     p.add_argument("--fronts", default="client",
                    help="what routes the requests, comma-separated (each runs every --configs): client (the "
                         "benchmark sends each request to the node --routing names), round-robin, least-loaded, "
@@ -125,6 +126,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="each node's own KV cache (its local prefix cache), sized like a GPU's: the requests in "
                         "flight and little more; the pool adds DRAM beside it")
     p.add_argument("--pool-size", default="2GiB", help="each node's DRAM pool (pool-on)")
+    p.add_argument("--pool-disk-size", default="4GiB",
+                   help="each node's disk tier under its DRAM pool in configuration disk (in RUN_DIR)")
     p.add_argument("--pool-link-rate", default="",
                    help="hold the transfer engine's loopback traffic to this rate (tc syntax: 1gbit, 10gbit) for "
                         "the run, as a network without RDMA would; needs root and tc (kvpool_bench.netshape)")
@@ -263,18 +266,35 @@ def hit_windows(results: list[Result], lru: list[int], window: int, first_full: 
         remote = sum(r.remote_hit_tokens for r, _ in part)
         lru_hit = sum(h for _, h in part)
         out.append({"first": lo, "requests": len(part), "hit_rate": hit / prompt if prompt else 0.0,
+                    "ttft_p50_s": pct([r.ttft_s for r, _ in part], 50) if part else float("nan"),
                     "remote_hit_rate": remote / prompt if prompt else 0.0,
                     "lru_hit_rate": lru_hit / prompt if prompt else 0.0,
                     "hit_rate_of_lru": hit / lru_hit if lru_hit else 0.0, "full": lo > first_full})
     return out
 
 
+def dram_overflow(results: list[Result], computed: list[tuple[int, ...]], block_size: int, dram_blocks: int) -> dict:
+    """Where the KV computed so far outgrew `dram_blocks` (the caches' and DRAM pools' blocks:
+    the request after which some blocks can be held only on disk, or nowhere), and TTFT p50
+    of the requests before and after it (requests that failed left out)."""
+    at = fill_index(computed, block_size, dram_blocks)
+    before = [r.ttft_s for r in results[:at + 1] if not r.error]
+    after = [r.ttft_s for r in results[at + 1:] if not r.error]
+    p_before, p_after = (pct(before, 50) if before else float("nan")), (pct(after, 50) if after else float("nan"))
+    return {"dram_blocks": dram_blocks, "dram_overflow_request": at, "ttft_p50_before_overflow_s": p_before,
+            "ttft_p50_after_overflow_s": p_after,
+            "ttft_after_over_before_overflow": p_after / p_before if before and after and p_before else float("nan")}
+
+
 def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size: int = BLOCK_SIZE,
-              hits: tuple[int, int] | None = None, capacity_blocks: int = 0, window: int = 200) -> dict:
+              hits: tuple[int, int] | None = None, capacity_blocks: int = 0, window: int = 200,
+              dram_blocks: int = 0) -> dict:
     """`hits`: (local, remote) hit tokens of the whole run where the nodes do not report them
     per request (vLLM). `capacity_blocks`: the blocks the nodes' caches and pools hold in all
     (0: unknown), for the capacity-bounded oracles (LRU, Belady's MIN) and the hit rate per
-    `window` requests beside LRU's (`hit_windows`)."""
+    `window` requests beside LRU's (`hit_windows`). `dram_blocks`: those of them in DRAM
+    (caches and DRAM pools); the run is split where the KV computed so far outgrew them
+    (`dram_overflow`), and TTFT p50 after that point is compared with before."""
     oracle_tokens = sum(h for h, r in zip(oracle_hits(results, block_size), results) if not r.error)
     ok = [r for r in results if not r.error]
     bounded: dict = {}
@@ -290,6 +310,8 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size
             full = [w["hit_rate_of_lru"] for w in windows if w["full"] and w["lru_hit_rate"]]
             bounded.update(windows=windows, first_full_request=first_full,
                            min_window_hit_rate_of_lru=min(full) if full else float("nan"))
+        if dram_blocks:
+            bounded.update(dram_overflow(results, computed, block_size, dram_blocks))
     prompt = sum(r.prompt_tokens for r in ok)
     local, remote = hits if hits is not None else (sum(r.local_hit_tokens for r in ok),
                                                    sum(r.remote_hit_tokens for r in ok))
@@ -343,6 +365,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
 
 
 CONFIGS = {"on": None, "off": None,
+           "disk": None,  # pool on, each node with a disk tier of --pool-disk-size under its DRAM pool
            "selective": {"kv_connector": "mooncake", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"save_policy": "selective"}},
            # Lookups by batched RPC only: what a node-local index view costs its engine process.
@@ -372,6 +395,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
         return measure(args, name, [u.strip().rstrip("/") for u in args.urls.split(",") if u.strip()], requests)
     spec = ClusterSpec(nodes=args.nodes, engine=args.engine, model=args.model, connector=config != "off",
                        pool_size=args.pool_size, kv_transfer_config=CONFIGS[config],
+                       pool_disk_size=args.pool_disk_size if config == "disk" else "",
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg),
                        router=front if front in POLICIES else "")
     run_dir = Path(args.run_dir) / name.replace("/", "_").replace(":", "-")
@@ -445,25 +469,28 @@ def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list
         delta = {k: int(after[k] - before[k]) for k in after}  # type: ignore[index]
         summary = summarize(results, wall, delta["bytes"], BLOCK_SIZES["vllm"], (delta["local"], delta["remote"]))
     else:
-        summary = summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=capacity_blocks(urls),
-                            window=args.window)
+        dram, total = capacity_blocks(urls)
+        summary = summarize(results, wall, pool_bytes_read(urls) - before, capacity_blocks=total,
+                            window=args.window, dram_blocks=dram)
     per_node = [after - before for after, before in zip(node_requests(urls), served, strict=True)]
     mean = sum(per_node) / len(per_node)
     summary.update(requests_per_node=per_node, load_max_over_mean=max(per_node) / mean if mean else 0.0)
     return summary, results
 
 
-def capacity_blocks(urls: list[str]) -> int:
-    """Blocks the nodes hold in all: their KV caches and their pools' slots (their /stats)."""
+def capacity_blocks(urls: list[str]) -> tuple[int, int]:
+    """Blocks the nodes hold in DRAM (their KV caches and their pools' DRAM slots) and in all
+    (with their disk tiers' slots), from their /stats."""
     from kvpool_harness.engine_node import http_json
 
-    total = 0
+    dram = disk = 0
     for u in urls:
         status, body = http_json(f"{u}/stats", timeout_s=10)
         if status != 200:
             raise RuntimeError(f"{u}/stats answered HTTP {status}")
-        total += int(body.get("kv_cache_blocks", 0)) + int(body.get("pool_slots", 0))
-    return total
+        dram += int(body.get("kv_cache_blocks", 0)) + int(body.get("pool_slots", 0))
+        disk += int(body.get("pool_disk_slots", 0))
+    return dram, dram + disk
 
 
 def reference(names: list[str]) -> str | None:
@@ -524,11 +551,17 @@ def print_table(summaries: dict[str, dict]) -> None:
             ("oracle hit rate", lambda s: f"{s['oracle_hit_rate']:.1%}"),
             ("hit rate / oracle", lambda s: f"{s['hit_rate_of_oracle']:.1%}"),
             ("capacity (blocks)", lambda s: f"{s.get('capacity_blocks', 0):,}"),
+            ("of which DRAM", lambda s: f"{s['dram_blocks']:,}" if "dram_blocks" in s else "-"),
             ("LRU / Belady hit rate", lambda s: f"{s['lru_hit_rate']:.1%} / {s['belady_hit_rate']:.1%}"
              if "lru_hit_rate" in s else "-"),
             ("hit rate / LRU / Belady", lambda s: f"{s['hit_rate_of_lru']:.1%} / {s['hit_rate_of_belady']:.1%}"
              if "hit_rate_of_lru" in s else "-"),
             ("TTFT p50 / p90 / p99 (s)", lambda s: f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.2f}"),
+            ("DRAM outgrown after req.", lambda s: f"{s['dram_overflow_request']}" if "dram_overflow_request" in s else "-"),
+            ("TTFT p50 before / after", lambda s: f"{s['ttft_p50_before_overflow_s']:.2f} / "
+             f"{s['ttft_p50_after_overflow_s']:.2f} s" if "dram_overflow_request" in s else "-"),
+            ("TTFT p50 after / before", lambda s: f"{s['ttft_after_over_before_overflow']:.2f}x"
+             if "dram_overflow_request" in s else "-"),
             ("TPOT mean (ms)", lambda s: f"{1e3 * s['tpot_mean_s']:.0f}"),
             ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
             ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),
@@ -560,11 +593,12 @@ def print_windows(summaries: dict[str, dict]) -> None:
             continue
         print(f"\n{name}: hit rate per {windows[1]['first']} requests (caches and pools full after request "
               f"{s['first_full_request']})")
-        print(f"{'requests':>12} {'hit rate':>9} {'remote':>7} {'LRU':>7} {'/ LRU':>7}")
+        print(f"{'requests':>12} {'hit rate':>9} {'remote':>7} {'LRU':>7} {'/ LRU':>7} {'TTFT p50':>9}")
         for w in windows:
             last = w["first"] + w["requests"] - 1
             print(f"{w['first']:>5}-{last:<6} {w['hit_rate']:>9.1%} {w['remote_hit_rate']:>7.1%} "
-                  f"{w['lru_hit_rate']:>7.1%} {w['hit_rate_of_lru']:>7.1%}{'' if w['full'] else '  (filling)'}")
+                  f"{w['lru_hit_rate']:>7.1%} {w['hit_rate_of_lru']:>7.1%} {w.get('ttft_p50_s', float('nan')):>8.2f}s"
+                  f"{'' if w['full'] else '  (filling)'}")
         print(f"lowest window once full: {s['min_window_hit_rate_of_lru']:.1%} of LRU; run: "
               f"{s.get('hit_rate_of_lru', 0):.1%} of LRU")
 

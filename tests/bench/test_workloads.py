@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_bench.cross_node import Result, hit_windows, route
+from kvpool_bench.cross_node import Result, dram_overflow, hit_windows, route
+from kvpool_bench.report import pct
 from kvpool_bench.workloads import (BenchRequest, Conversations, fill_index, hash_id_oracle, load_trace, mooncake_trace,
                                     multi_turn, oracle_hits, prefix_oracle)
 
@@ -198,3 +199,23 @@ def test_hit_windows_compare_each_window_with_lru() -> None:
     assert [x["first"] for x in w] == [0, 2, 4] and [x["requests"] for x in w] == [2, 1, 1]
     assert [x["hit_rate"] for x in w] == [0.1, 0.5, 0.8] and [x["lru_hit_rate"] for x in w] == [0.2, 0.5, 0.4]
     assert [x["hit_rate_of_lru"] for x in w] == [0.5, 1.0, 2.0] and [x["full"] for x in w] == [False, True, True]
+
+
+def test_dram_overflow_splits_ttft_where_the_computed_kv_outgrows_dram() -> None:
+    prompts = [tuple(range(i * 100, i * 100 + 32)) for i in range(5)]   # 2 new blocks each
+    ttfts = [1.0, 1.0, 3.0, 2.0, 4.0]
+    results = [Result(f"r{i}", 0, 32, 1, 0, 0, t, t, "boom" if i == 3 else "") for i, t in enumerate(ttfts)]
+    out = dram_overflow(results, list(prompts), 16, 5)                  # 2, 4, then 6 > 5: after request 2
+    assert out["dram_overflow_request"] == 2
+    assert out["ttft_p50_before_overflow_s"] == pct([1.0, 1.0, 3.0], 50)
+    assert out["ttft_p50_after_overflow_s"] == 4.0                      # request 3 failed: left out
+    assert out["ttft_after_over_before_overflow"] == 4.0 / out["ttft_p50_before_overflow_s"]
+    never = dram_overflow(results, list(prompts), 16, 100)
+    assert never["dram_overflow_request"] == 5 and never["ttft_after_over_before_overflow"] != \
+        never["ttft_after_over_before_overflow"]                        # nan: nothing after
+
+
+def test_hit_windows_report_each_windows_ttft_p50() -> None:
+    results = [Result(f"r{i}", 0, 10, 1, 0, 0, float(i), float(i)) for i in range(4)]
+    w = hit_windows(results, [0] * 4, 2, first_full=0)
+    assert [x["ttft_p50_s"] for x in w] == [pct([0.0, 1.0], 50), pct([2.0, 3.0], 50)]
