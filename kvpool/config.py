@@ -24,7 +24,11 @@ class PoolConfig:
     api_url: str = ""                    # the engine's API, announced with the registration (routers)
     disk_dir: str = ""                   # the disk tier's directory (kvpool.disk); off unless this and
     disk_size_bytes: int = 0             # its size are both set
-    disk_queue_blocks: int = 32          # evicted blocks waiting for the disk writer at most (more are dropped)
+    # Evicted blocks waiting for the disk writer at most (more are dropped): a bound in bytes,
+    # since evictions come in bursts of a prompt's blocks (a 2,048-token prompt of SmolLM2 fp32
+    # is 128 blocks, 94 MB) that the writer drains within tens of ms; 0 blocks = from the bytes.
+    disk_queue_bytes: int = 128 << 20
+    disk_queue_blocks: int = 0
     disk_save_on_close: bool = True      # close() writes the blocks still in DRAM to disk (warm restart)
     disk_save_timeout_s: float = 30.0    # ... for this long at most
 
@@ -43,8 +47,15 @@ class PoolConfig:
             raise ValueError("publish_batch, evict_batch and max_read_blocks must be >= 1")
         if self.read_timeout_s <= 0 or self.publish_interval_s <= 0:
             raise ValueError("read_timeout_s and publish_interval_s must be > 0")
-        if self.disk_size_bytes < 0 or self.disk_queue_blocks < 1:
-            raise ValueError("disk_size_bytes must be >= 0 and disk_queue_blocks >= 1")
+        if self.disk_size_bytes < 0 or self.disk_queue_blocks < 0 or self.disk_queue_bytes < 1:
+            raise ValueError("disk_size_bytes and disk_queue_blocks must be >= 0, disk_queue_bytes >= 1")
+
+    @property
+    def disk_staging_blocks(self) -> int:
+        """Evicted blocks the disk tier stages for its writer at most."""
+        from kvpool.disk_file import disk_slot_bytes
+
+        return self.disk_queue_blocks or max(8, self.disk_queue_bytes // disk_slot_bytes(self.block_bytes))
 
     @property
     def disk_enabled(self) -> bool:

@@ -105,7 +105,7 @@ class NodePool:
         try:
             return DiskTier(cfg.disk_dir, cfg.disk_size_bytes,
                             DiskIdentity(cfg.node_id, cfg.layout_fingerprint, cfg.block_bytes), self.stats,
-                            queue_blocks=cfg.disk_queue_blocks, on_written=self._disk_written,
+                            queue_blocks=cfg.disk_staging_blocks, on_written=self._disk_written,
                             on_evicted=self._disk_evicted)
         except DiskError as err:
             log.error("node %s: no disk tier, DRAM only: %s", cfg.node_id, err)

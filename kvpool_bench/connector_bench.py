@@ -12,12 +12,21 @@ Targets (issue 5): remote <= 25% of recompute at 2,048 tokens, and <= 2x local.
 plug-in (one core each, vLLM's 128-token blocks); "local hit" is then vLLM's own prefix
 cache, and the remote-hit tokens are checked on vLLM's external prefix-cache counter.
 Target (issue 19): remote <= 1.5x vLLM's local hit at 2,048 tokens.
+
+`--disk`: hits on blocks that only the disk tier holds, our engine: both nodes get a small
+DRAM pool (`--disk-pool-size`) and KV cache over a disk tier, and after a prompt is computed
+fresh prompts are pushed through the node until the prompt's blocks were written to disk
+(evicted from the DRAM pool) and its KV cache has turned over. Cases: recompute; own disk
+(B hits its own disk: read and validated on a pool thread, promoted into DRAM); peer disk (A's
+disk: A stages the blocks into its DRAM, B reads them). Target (issue 39): a disk hit at 2,048
+tokens <= 0.5x recompute.
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens")
     p.add_argument("--reps", type=int, default=3, help="prompts per length and case (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per node (two nodes share this machine)")
+    p.add_argument("--disk", action="store_true",
+                   help="our engine: recompute vs hits on the node's own disk tier vs another node's (staged)")
+    p.add_argument("--disk-pool-size", default="128MiB", help="--disk: each node's DRAM pool")
+    p.add_argument("--disk-kv-cache", default="160MiB", help="--disk: each node's KV cache (holds one prompt)")
     p.add_argument("--run-dir", default="runs/bench-connector")
     p.add_argument("--out", default="runs/bench-connector.json")
 
@@ -60,12 +73,110 @@ def _ttft(node, prompt: list[int], expect_remote: int | None = None) -> float:  
     dt = time.perf_counter() - t0
     got = _remote_tokens(node, body, before)
     if expect_remote is not None and got != expect_remote:
-        raise RuntimeError(f"expected {expect_remote} remote-hit tokens, got {got}")
+        raise RuntimeError(f"expected {expect_remote} remote-hit tokens, got {got} "
+                           f"({body.get('usage', {}).get('prompt_tokens_details')}; node: "
+                           f"{ {k: v for k, v in node.stats().items() if k.startswith('pool_disk')} })")
     return dt
+
+
+def _saved(node, timeout_s: float = 60) -> None:  # noqa: ANN001
+    """Wait until the node's saver has copied every block it was given."""
+    deadline = time.monotonic() + timeout_s
+    while node.stats()["connector_saves_pending"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _to_disk(node, prompt_blocks: int, fresh, n: int) -> int:  # noqa: ANN001
+    """Push fresh prompts of `n` tokens through `node` until `prompt_blocks` more blocks were
+    written to its disk tier and as many tokens as its KV cache and the prompt hold went through
+    it (the prompt computed last is then on disk only: a prefix cache may evict a request's
+    blocks tail first, so its first blocks outlive one cache's worth); returns the prompts
+    pushed."""
+    _saved(node)  # the prompt's own saves first: a push may reuse its cache blocks
+    start = node.stats()
+    pushed = 0
+    while True:
+        s = node.stats()
+        if s["pool_disk_writes"] - start["pool_disk_writes"] >= prompt_blocks \
+                and pushed * n >= (s["kv_cache_blocks"] + prompt_blocks) * 16:
+            break
+        if pushed >= 16:
+            raise RuntimeError(f"the node wrote {s['pool_disk_writes'] - start['pool_disk_writes']} blocks to disk "
+                               f"after {pushed} prompts; expected {prompt_blocks}")
+        node.complete(fresh(n), 1)
+        pushed += 1
+        _saved(node)
+    deadline = time.monotonic() + 60  # the disk copies' records sent to the metaserver
+    while node.stats()["pool_publishing"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pushed
+
+
+def main_disk(args: argparse.Namespace) -> int:
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
+
+    if args.engine != "kvpool":
+        print("kvpool bench connector: error: --disk runs our engine (--engine kvpool)", file=sys.stderr)
+        return 2
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    bs = 16
+    spec = ClusterSpec(nodes=2, engine="kvpool", model=args.model, pool_size=args.disk_pool_size,
+                       pool_disk_size="4GiB",
+                       engine_args=("--dtype", args.dtype, "--kv-cache-bytes", args.disk_kv_cache,
+                                    "--threads", str(args.threads)))
+    rows = []
+    clear_disks(Path(args.run_dir))
+    with LocalCluster(Path(args.run_dir), spec) as cluster:
+        a, b = cluster.nodes
+        b.complete(fresh(64), 1)  # warm both nodes up
+        a.complete(fresh(64), 1)
+        for n in lengths:
+            hit = (n - 1) // bs * bs
+            rec, own, peer = [], [], []
+            for _ in range(args.reps):
+                p = fresh(n)
+                rec.append(_ttft(b, p, expect_remote=0))
+                _to_disk(b, n // bs, fresh, max(lengths))
+                before = b.stats()["pool_disk_hits"]
+                own.append(_ttft(b, p, expect_remote=hit))
+                if b.stats()["pool_disk_hits"] - before < hit // bs:
+                    raise RuntimeError("node B's hit was not read from its disk tier")
+                q = fresh(n)
+                a.complete(q, 1)
+                _to_disk(a, n // bs, fresh, max(lengths))
+                before = a.stats()["pool_disk_staged"]
+                peer.append(_ttft(b, q, expect_remote=hit))
+                if a.stats()["pool_disk_staged"] - before < hit // bs:
+                    raise RuntimeError("node A did not stage the blocks B read from its disk")
+            row = {"prompt_tokens": n, "recompute_ms": 1e3 * statistics.median(rec),
+                   "own_disk_hit_ms": 1e3 * statistics.median(own), "peer_disk_hit_ms": 1e3 * statistics.median(peer)}
+            row["own_disk_over_recompute"] = row["own_disk_hit_ms"] / row["recompute_ms"]
+            row["peer_disk_over_recompute"] = row["peer_disk_hit_ms"] / row["recompute_ms"]
+            rows.append(row)
+            print(f"{n:>6} tokens: recompute {row['recompute_ms']:8.1f} ms | own disk hit {row['own_disk_hit_ms']:7.1f} ms"
+                  f" ({row['own_disk_over_recompute']:.2f}x) | peer disk hit {row['peer_disk_hit_ms']:7.1f} ms"
+                  f" ({row['peer_disk_over_recompute']:.2f}x)   target <= 0.50x", flush=True)
+        stats = {"A": a.stats(), "B": b.stats()}
+    for name, s in stats.items():
+        print(f"node {name}: disk writes {s['pool_disk_writes']}, disk hits {s['pool_disk_hits']}, staged "
+              f"{s['pool_disk_staged']}, failed disk reads {s['pool_disk_failed_reads']}, dropped writes "
+              f"{s['pool_disk_dropped_writes']}, failed loads {s['failed_load_blocks']}")
+    write_report(args.out, {"bench": "connector-disk", "model": args.model, "dtype": args.dtype, "block_size": bs,
+                            "reps": args.reps, "pool_size": args.disk_pool_size, "kv_cache": args.disk_kv_cache,
+                            "rows": rows, "nodes": stats})
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     from kvpool_harness.cluster import ClusterSpec, LocalCluster
+
+    if args.disk:
+        return main_disk(args)
     from metaserver.client import MetaClient
 
     lengths = [int(x) for x in args.lengths.split(",")]

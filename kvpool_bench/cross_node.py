@@ -21,6 +21,7 @@ import json
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ class Result:
     ttft_s: float
     e2e_s: float
     error: str = ""
+    start_s: float = 0.0   # when it was sent, from the run's start
     prompt_ids: tuple[int, ...] = field(default=(), repr=False)   # the prompt sent (not in the JSON report)
     output_ids: tuple[int, ...] = field(default=(), repr=False)   # the tokens generated
 
@@ -100,6 +102,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--context-tokens", type=int, default=256,
                    help="each user's own context (a document, earlier chat) opening their conversation")
     m.add_argument("--user-tokens", type=int, default=32)
+    m.add_argument("--interleave", action="store_true",
+                   help="send round r of every user before round r + 1 (--concurrency requests in flight), "
+                        "instead of --concurrency users at once each running through its rounds")
     m.add_argument("--reply-tokens", type=int, default=0,
                    help="0: the model's own replies (--output-tokens long) continue the conversation; N: fixed "
                         "synthetic replies of N tokens the engine never computed")
@@ -215,16 +220,23 @@ def route(kind: str, num_requests: int, num_nodes: int, seed: int) -> list[int]:
 
 def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, concurrency: int, seed: int,
                  on_done: Callable[[], None] = lambda: None, paced: bool = False, api_key: str = "",
-                 as_text: Callable[[tuple[int, ...]], str] | None = None) -> tuple[list[Result], float]:
-    """Send every request; sessions keep their order. Returns results (request order) and wall time."""
+                 as_text: Callable[[tuple[int, ...]], str] | None = None,
+                 interleave: bool = False) -> tuple[list[Result], float]:
+    """Send every request; sessions keep their order. Returns results (request order) and wall time.
+    Sessions run one per worker unless `interleave`: then requests are sent in the workload's
+    order by `concurrency` workers, each waiting for its session's previous request (multi-turn:
+    every user's round r before any user's round r + 1, as conversations interleave in a
+    service; a user's context is then reused after everyone else's turn, not right away)."""
     nodes = dict(zip((r.rid for r in requests), route(routing, len(requests), len(urls), seed)))
     results: dict[str, Result] = {}
     conversations = Conversations()
 
     def one(req: BenchRequest) -> None:
         node = nodes[req.rid]
+        sent = time.perf_counter() - t0
         res = results[req.rid] = stream_completion(urls[node], req, node, conversations.prompt(req), api_key=api_key,
                                                    as_text=as_text)
+        res.start_s = sent
         conversations.answered(req, res.prompt_ids, res.output_ids)
         on_done()
 
@@ -233,7 +245,21 @@ def run_workload(urls: list[str], requests: list[BenchRequest], routing: str, co
     for r in requests:
         sessions.setdefault(r.session or r.rid, []).append(r)
     with ThreadPoolExecutor(concurrency) as ex:
-        if paced:  # trace arrivals: submit each at its (scaled) time
+        if interleave:
+            # Workers take requests in order (FIFO), so a request's predecessor was taken
+            # before it: waiting for it cannot deadlock.
+            done = {r.rid: threading.Event() for r in requests}
+            before = {b.rid: a.rid for reqs in sessions.values() for a, b in zip(reqs, reqs[1:])}
+
+            def in_turn(req: BenchRequest) -> None:
+                if req.rid in before:
+                    done[before[req.rid]].wait()
+                try:
+                    one(req)
+                finally:
+                    done[req.rid].set()
+            list(ex.map(in_turn, requests))
+        elif paced:  # trace arrivals: submit each at its (scaled) time
             futures = []
             for r in requests:
                 delay = r.arrival_s - (time.perf_counter() - t0)
@@ -294,7 +320,9 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size
     (0: unknown), for the capacity-bounded oracles (LRU, Belady's MIN) and the hit rate per
     `window` requests beside LRU's (`hit_windows`). `dram_blocks`: those of them in DRAM
     (caches and DRAM pools); the run is split where the KV computed so far outgrew them
-    (`dram_overflow`), and TTFT p50 after that point is compared with before."""
+    (`dram_overflow`), and TTFT p50 after that point is compared with before. The oracles,
+    windows and split follow the order the requests were sent in (`start_s`)."""
+    results = sorted(results, key=lambda r: r.start_s)
     oracle_tokens = sum(h for h, r in zip(oracle_hits(results, block_size), results) if not r.error)
     ok = [r for r in results if not r.error]
     bounded: dict = {}
@@ -339,7 +367,7 @@ def build_workload(args: argparse.Namespace) -> tuple[list[BenchRequest], dict]:
     if args.workload == "multi-turn":
         reqs = multi_turn(args.users, args.rounds, args.groups, args.system_tokens, args.user_tokens,
                           args.reply_tokens, args.output_tokens, args.seed, args.context_tokens)
-        return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups,
+        return reqs, {"users": args.users, "rounds": args.rounds, "groups": args.groups, "interleave": args.interleave,
                       "system_tokens": args.system_tokens, "context_tokens": args.context_tokens,
                       "user_tokens": args.user_tokens,
                       "replies": f"synthetic, {args.reply_tokens} tokens" if args.reply_tokens else
@@ -387,7 +415,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
                front: str = "client") -> tuple[dict, list[Result]]:
     """One configuration (a key of CONFIGS) behind one front on a fresh cluster, or on the
     running `--urls`."""
-    from kvpool_harness.cluster import ClusterSpec, LocalCluster
+    from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
     from kvpool_harness.router_node import VllmRouterProcess
 
     name = config_name(config, front)
@@ -399,6 +427,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
                        engine_args=("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes, *args.engine_arg),
                        router=front if front in POLICIES else "")
     run_dir = Path(args.run_dir) / name.replace("/", "_").replace(":", "-")
+    clear_disks(run_dir)
     with LocalCluster(run_dir, spec) as cluster:
         nodes = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
@@ -459,7 +488,7 @@ def measure(args: argparse.Namespace, name: str, urls: list[str], requests: list
     bar = tqdm(total=len(requests), desc=name, unit="req", disable=args.no_progress, file=sys.stderr)
     try:
         results, wall = run_workload(direct, requests, args.routing, args.concurrency, args.seed,
-                                     on_done=lambda: bar.update(1),
+                                     on_done=lambda: bar.update(1), interleave=getattr(args, "interleave", False),
                                      paced=args.workload == "trace" and args.time_scale > 0,
                                      api_key=args.api_key, as_text=getattr(args, "as_text", None))
     finally:

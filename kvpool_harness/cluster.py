@@ -60,6 +60,14 @@ class ClusterSpec:
     node_env: dict[str, str] = field(default_factory=lambda: {"OMP_WAIT_POLICY": "PASSIVE"})
 
 
+def clear_disks(run_dir: Path) -> None:
+    """Remove the nodes' disk tiers in `run_dir` (a benchmark's start: a disk kept from an
+    earlier run would be re-published and hit)."""
+    for d in Path(run_dir).glob("*-disk"):
+        if d.is_dir():
+            shutil.rmtree(d)
+
+
 class LocalCluster:
     def __init__(self, run_dir: Path, spec: ClusterSpec) -> None:
         if spec.nodes < 1:

@@ -219,3 +219,36 @@ def test_hit_windows_report_each_windows_ttft_p50() -> None:
     results = [Result(f"r{i}", 0, 10, 1, 0, 0, float(i), float(i)) for i in range(4)]
     w = hit_windows(results, [0] * 4, 2, first_full=0)
     assert [x["ttft_p50_s"] for x in w] == [pct([0.0, 1.0], 50), pct([2.0, 3.0], 50)]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_interleaved_multi_turn_sends_every_users_round_before_the_next(monkeypatch: pytest.MonkeyPatch,
+                                                                       interleave: bool) -> None:
+    import threading
+    import time
+
+    from kvpool_bench import cross_node
+
+    sent: list[str] = []
+    lock = threading.Lock()
+
+    def fake(url: str, req: BenchRequest, node: int, prompt: tuple[int, ...] | None = None, **_: object) -> Result:
+        with lock:
+            sent.append(req.rid)
+        time.sleep(0.001)
+        return Result(req.rid, node, len(prompt or ()), 2, 0, 0, 0.0, 0.0, prompt_ids=prompt or (),
+                      output_ids=(1, 2))
+
+    monkeypatch.setattr(cross_node, "stream_completion", fake)
+    reqs = multi_turn(users=5, rounds=3, groups=1, system_tokens=4, user_tokens=2, reply_tokens=0, output_tokens=2)
+    results, _ = cross_node.run_workload(["u0", "u1"], reqs, "round-robin", 2, 0, interleave=interleave)
+    assert [r.rid for r in results] == [r.rid for r in reqs] and not any(r.error for r in results)
+    rounds = [int(rid.split("-r")[1]) for rid in sent]
+    for user in range(5):   # a session's rounds stay in order either way
+        mine = [rid for rid in sent if rid.startswith(f"u{user}-")]
+        assert mine == [f"u{user}-r{r}" for r in range(3)]
+    if interleave:          # round-major; two in flight may swap neighbours' sends
+        assert max(rounds[:3]) == 0 and min(rounds[-3:]) == 2
+    else:                   # two users at once, each through its rounds: u2 starts after u0's last
+        assert rounds != sorted(rounds)
+    assert all(r.start_s >= 0 for r in results) and max(r.start_s for r in results) > 0

@@ -124,6 +124,7 @@ class _Pool:
     stats = PoolStats()
     num_slots = 4
     publishing = False
+    disk = None
 
     def __len__(self) -> int:
         return 0
