@@ -219,8 +219,10 @@ def start_node(ms: MetaserverProcess, node_id: str, blocks: int, block_bytes: in
 def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess) -> None:
     big = 1 << 20
     proc = start_node(metaserver, "src", 48, big)
-    timeout = TransferConfig(transfer_timeout_s=2, progress_timeout_s=1)
-    cfg = PoolConfig("dst", 4 * slot_bytes_for(big), big, NS, metaserver.address, transfer=timeout, read_timeout_s=8)
+    # Bounds a busy 2-core machine does not outlive on a healthy 48 MiB read (1 s / 2 s failed
+    # it there), short enough that the frozen source's read fails in seconds.
+    timeout = TransferConfig(transfer_timeout_s=10, progress_timeout_s=5)
+    cfg = PoolConfig("dst", 4 * slot_bytes_for(big), big, NS, metaserver.address, transfer=timeout, read_timeout_s=15)
     pool = NodePool(cfg, MetaClient(metaserver.address))
     pool.start()
     try:
