@@ -289,7 +289,7 @@ def kill_round(c: Cluster) -> None:
 # runs the long vLLM rounds (>= 200 answers on both hosts).
 LONG = os.environ.get("KVPOOL_FAILED_LOADS") == "long"
 ROUNDS = {"engine": {"late": 3, "corrupt": 4, "kill": 2},
-          "vllm": {"late": 4, "corrupt": 3, "kill": 1} if LONG else {"late": 2, "corrupt": 2, "kill": 0}}
+          "vllm": {"late": 5, "corrupt": 4, "kill": 1} if LONG else {"late": 2, "corrupt": 2, "kill": 0}}
 MIN_ANSWERS = {"engine": 200, "vllm": 200 if LONG else 90}
 
 
