@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 
 from kvpool_bench.netshape import ShapingError, check_rate, shaped_pool_link
 from kvpool_bench.report import pct, write_report
-from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, fill_index, hash_id_oracle,
+from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles, distinct_blocks, fill_index,
+                                    hash_id_oracle,
                                     load_trace, mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
 from kvpool_harness.engine_node import read_api_key
 from router.policy import POLICIES
@@ -340,6 +341,7 @@ def summarize(results: list[Result], wall_s: float, bytes_moved: int, block_size
                            min_window_hit_rate_of_lru=min(full) if full else float("nan"))
         if dram_blocks:
             bounded.update(dram_overflow(results, computed, block_size, dram_blocks))
+        bounded["distinct_blocks"] = distinct_blocks(computed, block_size)
     prompt = sum(r.prompt_tokens for r in ok)
     local, remote = hits if hits is not None else (sum(r.local_hit_tokens for r in ok),
                                                    sum(r.remote_hit_tokens for r in ok))
@@ -579,6 +581,7 @@ def print_table(summaries: dict[str, dict]) -> None:
             ("hit rate", lambda s: f"{s['hit_rate']:.1%}"),
             ("oracle hit rate", lambda s: f"{s['oracle_hit_rate']:.1%}"),
             ("hit rate / oracle", lambda s: f"{s['hit_rate_of_oracle']:.1%}"),
+            ("distinct blocks computed", lambda s: f"{s['distinct_blocks']:,}" if "distinct_blocks" in s else "-"),
             ("capacity (blocks)", lambda s: f"{s.get('capacity_blocks', 0):,}"),
             ("of which DRAM", lambda s: f"{s['dram_blocks']:,}" if "dram_blocks" in s else "-"),
             ("LRU / Belady hit rate", lambda s: f"{s['lru_hit_rate']:.1%} / {s['belady_hit_rate']:.1%}"

@@ -211,6 +211,12 @@ def fill_index(computed: Sequence[Sequence[int]], block_size: int, capacity_bloc
     return len(computed)
 
 
+def distinct_blocks(computed: Sequence[Sequence[int]], block_size: int, fingerprint: str = "") -> int:
+    """Distinct full blocks (chain hashes) the requests computed: the workload's KV."""
+    seed = chain_seed(fingerprint, None)
+    return len({h for done in computed for h in hash_blocks(seed, done, block_size)})
+
+
 def _prefix_in(cache: Container[object], ref: Sequence[object]) -> int:
     n = 0
     while n < len(ref) and ref[n] in cache:

@@ -8,8 +8,8 @@ import pytest
 
 from kvpool_bench.cross_node import Result, dram_overflow, hit_windows, route
 from kvpool_bench.report import pct
-from kvpool_bench.workloads import (BenchRequest, Conversations, fill_index, hash_id_oracle, load_trace, mooncake_trace,
-                                    multi_turn, oracle_hits, prefix_oracle)
+from kvpool_bench.workloads import (BenchRequest, Conversations, distinct_blocks, fill_index, hash_id_oracle, load_trace,
+                                    mooncake_trace, multi_turn, oracle_hits, prefix_oracle)
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 
@@ -252,3 +252,8 @@ def test_interleaved_multi_turn_sends_every_users_round_before_the_next(monkeypa
     else:                   # two users at once, each through its rounds: u2 starts after u0's last
         assert rounds != sorted(rounds)
     assert all(r.start_s >= 0 for r in results) and max(r.start_s for r in results) > 0
+
+
+def test_distinct_blocks_counts_each_chain_block_once() -> None:
+    a = list(range(48))                         # 3 blocks
+    assert distinct_blocks([a, a[:32] + [7] * 16, a[:40]], 16) == 4   # the second's third block differs
