@@ -3,7 +3,7 @@
 RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-multiply, float32, each one C call
 instead of 3-6 torch ops: at decode batch sizes those ops cost their dispatch, not their
 arithmetic. And the linears' matmul over weights packed in panels (`panel_matmul`), which ran
-faster than oneDNN's packed GEMM at every batch size measured (docs/BENCHMARKS.md).
+faster than oneDNN's packed GEMM at every batch size measured (docs/journal/benchmarks-history.md).
 Built like the decode attention kernel (`engine.attention.cpu_kernel.build`).
 `usable(...)` says whether a call may take this path (CPU, float32, contiguous rows, the
 library built); engine/model.py falls back to its torch ops otherwise. The results agree with

@@ -46,7 +46,7 @@ from metaserver.client import MetaClient
 
 # Chains start at this block: slot 0 of a pool (and of the destination) is page-aligned, and
 # the kernel's loopback copy from or to a page-aligned address is up to ~25% slower here
-# (docs/BENCHMARKS.md); one slot in 64 or more is, so block 1 on is the typical case.
+# (docs/journal/benchmarks-history.md); one slot in 64 or more is, so block 1 on is the typical case.
 FIRST = 1
 
 

@@ -15,8 +15,9 @@ A small JSON file (keys below; any key starting with `_` is a comment, e.g. `_so
 - `local_copy_bytes_per_s`: a load from the node's own pool (a memcpy).
 
 `kvpool plan calibrate` (measure these on this machine with the real engine) is not
-written yet: the shipped profiles' figures are read from docs/BENCHMARKS.md (this
-machine) and from published figures (a GPU deployment), each named in the file.
+written yet: the shipped profiles' figures are read from docs/BENCHMARKS.md and its
+history docs/journal/benchmarks-history.md (this machine) and from published figures (a GPU
+deployment), each named in the file.
 """
 from __future__ import annotations
 

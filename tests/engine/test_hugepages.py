@@ -20,7 +20,7 @@ def advised(t: torch.Tensor) -> list[bool]:
     """For each mapping under the whole 2 MiB pages of `t`'s storage: whether it carries the
     huge-page advice (VmFlags "hg" in /proc/self/smaps). Whether the kernel then finds free
     2 MiB pages at fault time depends on the machine's fragmentation, so the advice is what a
-    test can hold; the speed it buys is measured in docs/BENCHMARKS.md, in a fresh process."""
+    test can hold; the speed it buys is measured in docs/journal/benchmarks-history.md, in a fresh process."""
     start = t.untyped_storage().data_ptr()
     end = start + t.untyped_storage().nbytes()
     lo, hi = (start + hugepages.HUGE_PAGE - 1) & ~(hugepages.HUGE_PAGE - 1), end & ~(hugepages.HUGE_PAGE - 1)
