@@ -102,14 +102,18 @@ class NodePool:
 
     def _open_disk(self) -> DiskTier | None:
         cfg = self.config
+        t0 = time.monotonic()
         try:
-            return DiskTier(cfg.disk_dir, cfg.disk_size_bytes,
+            tier = DiskTier(cfg.disk_dir, cfg.disk_size_bytes,
                             DiskIdentity(cfg.node_id, cfg.layout_fingerprint, cfg.block_bytes), self.stats,
                             queue_blocks=cfg.disk_staging_blocks, on_written=self._disk_written,
                             on_evicted=self._disk_evicted)
         except DiskError as err:
             log.error("node %s: no disk tier, DRAM only: %s", cfg.node_id, err)
             return None
+        log.info("node %s: disk tier %s opened: %d of %d slots hold valid blocks (scanned in %.2f s)", cfg.node_id,
+                 cfg.disk_dir, len(tier), tier.num_slots, time.monotonic() - t0)
+        return tier
 
     # ---- lifecycle ------------------------------------------------------------------
 

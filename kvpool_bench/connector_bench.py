@@ -32,6 +32,8 @@ from pathlib import Path
 
 from kvpool_bench.report import write_report
 
+DISK_SLOT_BYTES_FP32 = 741_376   # SmolLM2-135M fp32: one disk slot (block + header, 4 KiB aligned)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("connector", help="TTFT: recompute vs local prefix hit vs remote hit through the pool")
@@ -46,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="our engine: recompute vs hits on the node's own disk tier vs another node's (staged)")
     p.add_argument("--disk-pool-size", default="128MiB", help="--disk: each node's DRAM pool")
     p.add_argument("--disk-kv-cache", default="160MiB", help="--disk: each node's KV cache (holds one prompt)")
+    p.add_argument("--restart-blocks", type=int, default=0,
+                   help="--disk: then fill node B's disk tier to N blocks, restart B (SIGTERM, same id and "
+                        "directory) and time it until it has re-published them and served a hit from them")
     p.add_argument("--run-dir", default="runs/bench-connector")
     p.add_argument("--out", default="runs/bench-connector.json")
 
@@ -77,6 +82,15 @@ def _ttft(node, prompt: list[int], expect_remote: int | None = None) -> float:  
                            f"({body.get('usage', {}).get('prompt_tokens_details')}; node: "
                            f"{ {k: v for k, v in node.stats().items() if k.startswith('pool_disk')} })")
     return dt
+
+
+def _row(n: int, recompute: list[float], **cases: list[float]) -> dict:
+    """One prompt length's medians (ms) and each case's ratio to recompute's."""
+    row: dict = {"prompt_tokens": n, "recompute_ms": 1e3 * statistics.median(recompute)}
+    for name, times in cases.items():
+        row[f"{name}_ms"] = 1e3 * statistics.median(times)
+        row[f"{name}_over_recompute"] = row[f"{name}_ms"] / row["recompute_ms"]
+    return row
 
 
 def _saved(node, timeout_s: float = 60) -> None:  # noqa: ANN001
@@ -125,8 +139,10 @@ def main_disk(args: argparse.Namespace) -> int:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
     bs = 16
+    # Room for every block the run writes (--restart-blocks: those and a margin).
+    disk_size = max(4 << 30, int(args.restart_blocks * 1.2 * DISK_SLOT_BYTES_FP32))
     spec = ClusterSpec(nodes=2, engine="kvpool", model=args.model, pool_size=args.disk_pool_size,
-                       pool_disk_size="4GiB",
+                       pool_disk_size=str(disk_size),
                        engine_args=("--dtype", args.dtype, "--kv-cache-bytes", args.disk_kv_cache,
                                     "--threads", str(args.threads)))
     rows = []
@@ -153,23 +169,65 @@ def main_disk(args: argparse.Namespace) -> int:
                 peer.append(_ttft(b, q, expect_remote=hit))
                 if a.stats()["pool_disk_staged"] - before < hit // bs:
                     raise RuntimeError("node A did not stage the blocks B read from its disk")
-            row = {"prompt_tokens": n, "recompute_ms": 1e3 * statistics.median(rec),
-                   "own_disk_hit_ms": 1e3 * statistics.median(own), "peer_disk_hit_ms": 1e3 * statistics.median(peer)}
-            row["own_disk_over_recompute"] = row["own_disk_hit_ms"] / row["recompute_ms"]
-            row["peer_disk_over_recompute"] = row["peer_disk_hit_ms"] / row["recompute_ms"]
+            row = _row(n, rec, own_disk_hit=own, peer_disk_hit=peer)
             rows.append(row)
             print(f"{n:>6} tokens: recompute {row['recompute_ms']:8.1f} ms | own disk hit {row['own_disk_hit_ms']:7.1f} ms"
-                  f" ({row['own_disk_over_recompute']:.2f}x) | peer disk hit {row['peer_disk_hit_ms']:7.1f} ms"
-                  f" ({row['peer_disk_over_recompute']:.2f}x)   target <= 0.50x", flush=True)
+                  f" ({row['own_disk_hit_over_recompute']:.2f}x) | peer disk hit {row['peer_disk_hit_ms']:7.1f} ms"
+                  f" ({row['peer_disk_hit_over_recompute']:.2f}x)   target <= 0.50x", flush=True)
         stats = {"A": a.stats(), "B": b.stats()}
+        restart = _restart(b, args.restart_blocks, fresh, max(lengths), bs) if args.restart_blocks else None
     for name, s in stats.items():
         print(f"node {name}: disk writes {s['pool_disk_writes']}, disk hits {s['pool_disk_hits']}, staged "
               f"{s['pool_disk_staged']}, failed disk reads {s['pool_disk_failed_reads']}, dropped writes "
               f"{s['pool_disk_dropped_writes']}, failed loads {s['failed_load_blocks']}")
     write_report(args.out, {"bench": "connector-disk", "model": args.model, "dtype": args.dtype, "block_size": bs,
                             "reps": args.reps, "pool_size": args.disk_pool_size, "kv_cache": args.disk_kv_cache,
-                            "rows": rows, "nodes": stats})
+                            "rows": rows, "nodes": stats, "restart": restart})
     return 0
+
+
+def _log_time(line: str) -> float:
+    """The epoch time of a log line's "YYYY-MM-DD HH:MM:SS,mmm" stamp (local time, as logged)."""
+    stamp, ms = line[:23].split(",")
+    return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1e3
+
+
+def _restart(node, blocks: int, fresh, n: int, bs: int) -> dict:  # noqa: ANN001
+    """Fill `node`'s disk tier to `blocks` blocks with fresh prompts of `n` tokens (the first
+    kept as the probe), restart it the way an operator would (SIGTERM, then the same command:
+    same node id, layout and directory) and time it: process start to the disk tier open (its
+    header scan), to re-published, to serving, and the probe's TTFT, a hit on its own disk."""
+    probe = fresh(n)
+    node.complete(probe, 1)
+    while node.stats()["pool_disk_blocks"] < blocks:
+        node.complete(fresh(n), 1)
+        _saved(node)
+    held = node.stats()["pool_disk_blocks"]
+    node.stop(timeout_s=60)  # a clean shutdown writes the blocks still in DRAM to disk too
+    log = Path(node.log_path)
+    offset = log.stat().st_size
+    t0 = time.time()
+    node.start()
+    node.wait_ready(300)
+    ready = time.time() - t0
+    lines = log.read_text(errors="replace")[offset:].splitlines()
+    opened = next(ln for ln in lines if "disk tier" in ln and "opened" in ln)
+    published = next(ln for ln in lines if "registered" in ln and "re-published" in ln)
+    republished = int(published.rsplit("re-published ", 1)[1].split()[0])
+    t1 = time.perf_counter()
+    body = node.complete(probe, 1)
+    ttft = time.perf_counter() - t1
+    hit = body["usage"]["prompt_tokens_details"]["remote_cached_tokens"]
+    out = {"disk_blocks_before": held, "republished": republished, "opened_line": opened.split("INFO ", 1)[-1],
+           "open_s": _log_time(opened) - t0, "republished_s": _log_time(published) - t0, "serving_s": ready,
+           "probe_ttft_s": ttft, "probe_disk_hit_tokens": hit, "probe_tokens": n}
+    print(f"\nrestart of node B with {held:,} blocks on disk: disk tier open {out['open_s']:.1f} s after the "
+          f"process started ({out['opened_line']}), {republished:,} blocks re-published at {out['republished_s']:.1f} s, "
+          f"serving at {ready:.1f} s; then a {n}-token prompt from before the fill: {hit} tokens hit from its disk, "
+          f"TTFT {1e3 * ttft:.0f} ms", flush=True)
+    if hit != (n - 1) // bs * bs:
+        raise RuntimeError(f"after the restart the probe hit {hit} tokens, expected {(n - 1) // bs * bs}")
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,9 +264,8 @@ def main(args: argparse.Namespace) -> int:
                 while _published(client, a.node_id) < published + n // bs and time.monotonic() < deadline:
                     time.sleep(0.02)
                 rem.append(_ttft(b, q, expect_remote=(n - 1) // bs * bs))
-            row = {"prompt_tokens": n, "recompute_ms": 1e3 * statistics.median(rec),
-                   "local_hit_ms": 1e3 * statistics.median(loc), "remote_hit_ms": 1e3 * statistics.median(rem)}
-            row["remote_over_recompute"] = row["remote_hit_ms"] / row["recompute_ms"]
+            row = _row(n, rec, local_hit=loc, remote_hit=rem)
+            row["remote_over_recompute"] = row.pop("remote_hit_over_recompute")
             row["remote_over_local"] = row["remote_hit_ms"] / row["local_hit_ms"]
             rows.append(row)
             print(f"{n:>6} tokens: recompute {row['recompute_ms']:8.1f} ms | local hit {row['local_hit_ms']:7.1f} ms"
