@@ -126,8 +126,9 @@ def _run(args: argparse.Namespace, client: MetaClient) -> tuple[object, str]:
                  f"etcd               {'healthy' if s.etcd_healthy else 'UNREACHABLE (degraded)'}",
                  f"pending writes     {s.pending_writes}"]
         if s.index.namespaces:
-            lines += ["", _table([[n.namespace, n.num_blocks, n.num_copies - n.num_disk_copies, n.num_disk_copies]
-                                  for n in s.index.namespaces], ["NAMESPACE", "BLOCKS", "DRAM COPIES", "DISK COPIES"])]
+            lines += ["", _table([[n.namespace, n.num_blocks, n.num_copies - n.num_disk_copies, n.dram_bytes,
+                                   n.num_disk_copies, n.disk_bytes] for n in s.index.namespaces],
+                                 ["NAMESPACE", "BLOCKS", "DRAM COPIES", "DRAM BYTES", "DISK COPIES", "DISK BYTES"])]
         return data, "\n".join(lines)
     if cmd == "query":
         r = client.query_prefix(args.namespace, _hashes(args.hashes), args.requester)

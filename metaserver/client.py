@@ -243,7 +243,8 @@ class MetaClient:
 
     def stats(self) -> ServerStats:
         r = self._rpc("Stats", pb.StatsRequest())
-        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies, n.num_disk_copies)
+        ns = tuple(NamespaceStats(Namespace(n.namespace), n.num_blocks, n.num_copies, n.num_disk_copies,
+                                  n.dram_bytes, n.disk_bytes)
                    for n in r.namespaces)
         return ServerStats(IndexStats(r.num_nodes, r.num_blocks, r.num_copies, ns), r.queries, r.query_blocks,
                            r.query_hit_blocks, r.published_blocks, r.etcd_healthy, r.pending_writes, r.replica_id)

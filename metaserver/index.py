@@ -286,12 +286,16 @@ class BlockIndex:
     def num_blocks_of(self, node_id: NodeId) -> int:
         return len(self._node_hashes.get(node_id, ()))
 
+    @staticmethod
+    def _namespace_stats(ns: Namespace, blocks: dict[BlockHash, dict[NodeId, BlockLocation]]) -> NamespaceStats:
+        copies = [loc for holders in blocks.values() for loc in holders.values()]
+        disk = [loc for loc in copies if loc.medium == Medium.DISK]
+        return NamespaceStats(ns, len(blocks), len(copies), len(disk),
+                              dram_bytes=sum(loc.size_bytes for loc in copies) - sum(loc.size_bytes for loc in disk),
+                              disk_bytes=sum(loc.size_bytes for loc in disk))
+
     def stats(self) -> IndexStats:
-        per_ns = tuple(
-            NamespaceStats(ns, len(m), sum(len(h) for h in m.values()),
-                           sum(loc.medium == Medium.DISK for h in m.values() for loc in h.values()))
-            for ns, m in sorted(self._blocks.items())
-        )
+        per_ns = tuple(self._namespace_stats(ns, m) for ns, m in sorted(self._blocks.items()))
         return IndexStats(
             num_nodes=len(self.nodes),
             num_blocks=sum(s.num_blocks for s in per_ns),

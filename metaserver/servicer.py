@@ -268,7 +268,8 @@ class MetaServicer:
         return pb.StatsResponse(
             num_nodes=s.num_nodes, num_blocks=s.num_blocks, num_copies=s.num_copies,
             namespaces=[pb.NamespaceStats(namespace=n.namespace, num_blocks=n.num_blocks, num_copies=n.num_copies,
-                                          num_disk_copies=n.num_disk_copies)
+                                          num_disk_copies=n.num_disk_copies, dram_bytes=n.dram_bytes,
+                                          disk_bytes=n.disk_bytes)
                         for n in s.namespaces],
             queries=c.queries, query_blocks=c.query_blocks, query_hit_blocks=c.query_hit_blocks,
             published_blocks=c.published_blocks, etcd_healthy=self.service.store.healthy,

@@ -107,6 +107,8 @@ class NamespaceStats:
     num_blocks: int   # distinct hashes
     num_copies: int   # (hash, node) pairs
     num_disk_copies: int = 0  # of those, in a node's disk tier
+    dram_bytes: int = 0       # the DRAM copies' sizes summed
+    disk_bytes: int = 0       # the disk copies' sizes summed
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,7 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
     assert change is not None and change.block == rec
     stats = idx.stats().namespaces[0]
     assert stats.num_copies == 4 and stats.num_disk_copies == 2
+    assert (stats.dram_bytes, stats.disk_bytes) == (2 * 64, 2 * 64)   # a:0 and b:2 / a:1 and a:2
     assert idx.present(NS, chain) == [True, False, True]  # a router cannot have a's disk copy pulled
 
     # A holder that stages (kvpool.stage) is offered for its disk copies, after any DRAM copy.

@@ -301,16 +301,20 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "num_blocks", "num_copies", "num_disk_copies")
+    __slots__ = ("namespace", "num_blocks", "num_copies", "num_disk_copies", "dram_bytes", "disk_bytes")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
     NUM_DISK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     num_blocks: int
     num_copies: int
     num_disk_copies: int
-    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_disk_copies: _Optional[int] = ...) -> None: ...
+    dram_bytes: int
+    disk_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_disk_copies: _Optional[int] = ..., dram_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_nodes", "num_blocks", "num_copies", "namespaces", "queries", "query_blocks", "query_hit_blocks", "published_blocks", "etcd_healthy", "pending_writes", "replica_id")
