@@ -25,10 +25,19 @@ directory made for another node or layout is refused (`DiskLayoutError`). The he
 generation is this tier's write sequence number (increasing across all slots), so a restart
 rebuilds the LRU order from the headers.
 
-A slot is written payload first with an invalid header (magic 0), then its header page: a
-process killed in between leaves a slot that fails the header check. A power loss may
-reorder the two writes on the device; the payload checksum in the header catches that. Every
-read checks magic, hash, generation, size and checksum before a byte is used.
+A slot is written with one pwrite: its final header (magic, generation, size, the payload's
+xxh3 checksum, the hash) and its payload, from the staging buffer. Why one write, not the
+payload with an invalid header and then the header's page (the first design): that second,
+4 KiB write cost a round trip to the device per slot, which kept the tier's writes under 80% of
+fio's (`kvpool bench disk`, docs/BENCHMARKS.md), and what it guarded against is caught anyway,
+because no byte of a slot is used before its read checks magic, hash, generation, size and the
+payload checksum. A process killed (SIGKILL) while writing: an O_DIRECT write is not cut short
+by a signal once submitted, so the slot is either written or not (an old slot, still whole). A
+buffered write (the fallback) or a power loss may leave a slot torn: new header with part of
+the old payload, or the reverse, in any order on the device. Warm restart reads headers only
+(`scan`), so it may publish such a slot; its first read fails the checksum (or the hash or
+generation), the tier drops it, the pool unpublishes it and the reader recomputes it: one miss,
+never wrong bytes.
 
 Invariant as in DRAM: a disk slot leaves the index (`on_evicted`: the pool unpublishes it)
 before it is reused. Errors (ENOSPC, EIO, the file or directory removed): logged once,
@@ -242,7 +251,7 @@ class DiskTier:
             return False
         base = self._staging.addr(buf)
         memcpy(base + HEADER_BYTES, slot_addr + HEADER_BYTES, self.block_bytes)
-        view(base, HEADER_BYTES)[:] = SlotHeader(0, 0, self.block_bytes, header.checksum, h).pack()
+        view(base, HEADER_BYTES)[:] = header.pack()  # generation set by the writer (`_write`)
         with self._lock:
             self._queued += 1
         self._queue.put((h, buf))
@@ -280,10 +289,9 @@ class DiskTier:
         self._check_file()
         base, offset = self._staging.addr(buf), slot.index * self.slot_bytes
         staged = SlotHeader.unpack(view(base, HEADER_BYTES))
+        view(base, HEADER_BYTES)[:] = SlotHeader(MAGIC, gen, self.block_bytes, staged.checksum, h).pack()
         try:
-            self._pwrite(self._staging.mv(buf), offset)  # payload, with an invalid header
-            view(base, HEADER_BYTES)[:] = SlotHeader(MAGIC, gen, self.block_bytes, staged.checksum, h).pack()
-            self._pwrite(self._staging.mv(buf, DISK_ALIGN), offset)  # then the header's page
+            self._pwrite(self._staging.mv(buf), offset)  # header and payload at once (module doc)
         except OSError:
             with self._lock:
                 self._free.append(slot.index)

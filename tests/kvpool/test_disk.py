@@ -205,30 +205,40 @@ def test_a_full_disk_leaves_the_node_on_dram(tmp_path: Path, caplog: pytest.LogC
 
 
 def test_the_tier_alone_keeps_only_complete_slots(tmp_path: Path) -> None:
+    """A slot without a valid header is not kept at restart; a torn slot (valid header, part
+    of its payload not written: a power loss, or a buffered write cut short) is kept by the
+    header scan, and its first read fails the checksum and drops it."""
     stats = PoolStats()
     ident = DiskIdentity("A", NS, BB)
     tier = DiskTier(str(tmp_path), 8 * disk_slot_bytes(BB), ident, stats)
     src = np.zeros(HEADER_BYTES + BB, dtype=np.uint8)
     from kvpool.layout import MAGIC, SlotHeader, checksum
 
-    hashes = [block_hash("t", i) for i in range(3)]
+    hashes = [block_hash("t", i) for i in range(4)]
     for h in hashes:
         src[HEADER_BYTES:] = block_content(h, BB)
         src[:HEADER_BYTES] = np.frombuffer(SlotHeader(MAGIC, 1, BB, checksum(src.ctypes.data + HEADER_BYTES, BB),
                                                       h).pack(), dtype=np.uint8)
         assert tier.offer(h, src.ctypes.data)
-    assert tier.flush() and len(tier) == 3
-    offset = tier.block(hashes[1]).offset  # type: ignore[union-attr]
+    assert tier.flush() and len(tier) == 4
+    no_header = tier.block(hashes[1]).offset  # type: ignore[union-attr]
+    torn = tier.block(hashes[3]).offset  # type: ignore[union-attr]
     tier.close()
-    with open(tmp_path / DATA_FILE, "r+b") as f:  # a write killed between payload and header
-        f.seek(offset)
+    with open(tmp_path / DATA_FILE, "r+b") as f:
+        f.seek(no_header)  # the header never reached the disk
         f.write(b"\0" * 4)
+        f.seek(torn + HEADER_BYTES + BB - 4096)  # the payload's last page did not
+        f.write(b"\0" * 4096)
     again = DiskTier(str(tmp_path), 8 * disk_slot_bytes(BB), ident, stats)
     try:
-        assert [b.block_hash for b in again.blocks()] == [hashes[0], hashes[2]]  # LRU order kept
+        assert [b.block_hash for b in again.blocks()] == [hashes[0], hashes[2], hashes[3]]  # LRU order kept
         dest = np.zeros(BB, dtype=np.uint8)
         assert again.read_into(hashes[2], dest.ctypes.data)
         assert np.array_equal(dest, block_content(hashes[2], BB))
+        failed = stats.disk_failed_reads
+        assert not again.read_into(hashes[3], dest.ctypes.data)  # torn: fails validation, dropped
+        assert stats.disk_failed_reads == failed + 1 and hashes[3] not in again
+        assert np.array_equal(dest, block_content(hashes[2], BB))  # nothing written to dest
     finally:
         again.close()
 
