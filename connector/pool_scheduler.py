@@ -57,10 +57,11 @@ from dataclasses import dataclass
 from connector import handoff
 from connector.lookup import Lookups, LookupState
 from connector.messages import LoadSpec, PoolConnectorMetadata, SaveSpec, SendSpec
+from connector.prefetch import Prefetcher
 from connector.save_policy import SavePolicy
 from connector.settings import PoolConnectorSettings
 from metaserver.client import MetaClient
-from metaserver.types import BlockHash, BlockLocation, QueryResult
+from metaserver.types import BlockHash, BlockLocation, Medium, QueryResult
 from metaserver.view import IndexView
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class PoolScheduler:
         self._view = IndexView(self._client, fingerprint, settings.node_id, settings.view_stale_s) \
             if consume and settings.lookup_view else None
         self.view_answers = 0  # lookups answered by the view (counter)
+        # Other nodes' DISK blocks in an offered run: staged by their holders from now on
+        # (`connector.prefetch`), so the load usually finds them in DRAM.
+        self._prefetch = Prefetcher(settings.read_timeout_s / 2) if consume else None
         self._asked: dict[str, int] = {}                # request id -> blocks its lookup asked for
         self._hits: dict[str, _Hit] = {}
         self._loading: dict[str, LoadSpec] = {}         # request id -> its load in flight
@@ -256,10 +260,25 @@ class PoolScheduler:
                 return None
             del self._expect[request_id]
         hit.start, hit.offered = start, run
+        if self._prefetch is not None and run:
+            self._prefetch_disk(run, hit.answer.nodes)
         held = hit.answer.held
         if self.produce and start and (held or not hit.answer.locations):  # a sparse answer (or nothing held)
             self._refresh[request_id] = (start, tuple(j for j in range(start) if j >= len(held) or held[j] is None))
         return len(run) * bs
+
+    def _prefetch_disk(self, run: Sequence[BlockLocation], nodes: dict) -> None:
+        """Ask the holders of other nodes' DISK copies in `run` to stage them now (never
+        blocks: a request the prefetcher has no room for is dropped)."""
+        assert self._prefetch is not None
+        by_node: dict[str, list[bytes]] = {}
+        for loc in run:
+            if loc.medium == Medium.DISK and loc.node_id != self.settings.node_id:
+                by_node.setdefault(loc.node_id, []).append(bytes(loc.block_hash))
+        for node_id, hashes in by_node.items():
+            node = nodes.get(node_id)
+            if node is not None and node.stage_address:
+                self._prefetch.offer(node.stage_address, hashes)
 
     def wait_for_lookups(self, timeout_s: float) -> None:
         """Block until a lookup is answered or `timeout_s` passed (for a host with nothing else
@@ -383,10 +402,13 @@ class PoolScheduler:
                 "connector_handoff_loads": self.handoff_loads, "connector_handoff_sends": self.handoff_sends,
                 "connector_handoff_bad_params": self.handoff_bad_params,
                 "connector_touched_blocks": self.touched_blocks, "connector_reoffered_blocks": self.reoffered_blocks,
-                **self._lookups.counters(), **view, **self._avoid.counters()}
+                **self._lookups.counters(), **view, **self._avoid.counters(),
+                **(self._prefetch.counters() if self._prefetch is not None else {})}
 
     def close(self) -> None:
         if self._view is not None:
             self._view.close()
+        if self._prefetch is not None:
+            self._prefetch.close()
         self._lookups.close()
         self._client.close()

@@ -9,12 +9,13 @@ from registered memory here, on a pool thread (its caller is usually the engine 
 The holder's side of staging (`stage`) and promotion (`promote`, also for `locate`) are here
 too. A block whose read fails or does not validate is reported failed (recomputed).
 
-Threading: every method may run on any thread; what it touches (the pool through `put` and
+Threading: every method may run on any thread (stage requests one at a time); what it touches (the pool through `put` and
 `dram_record`, the disk tier, the read context) is thread-safe.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -44,6 +45,10 @@ class TierReads:
         self._reads = reads
         self._put = put
         self._dram_record = dram_record
+        # One stage request at a time: a reader's load that asks for blocks a prefetch of the
+        # same blocks (connector.prefetch) is promoting waits for it and finds them in DRAM,
+        # instead of answering "not staged" while the other thread still copies them in.
+        self._staging = threading.Lock()
 
     def _put_back(self, block_hash: BlockHash, src: Payload) -> bool:
         """Promote a block read from disk into DRAM (the next hit is a DRAM one)."""
@@ -69,13 +74,14 @@ class TierReads:
         """A reader's stage request (kvpool.stage, on a server thread): bring each block into
         DRAM (from the disk tier if need be) and say where it is now."""
         out: list[tuple[int, int] | None] = []
-        for raw in hashes:
-            h = BlockHash(raw)
-            rec = self._dram_record(h)
-            if rec is None and self.promote(h):
-                self._stats.disk_staged += 1
+        with self._staging:
+            for raw in hashes:
+                h = BlockHash(raw)
                 rec = self._dram_record(h)
-            out.append(None if rec is None else (rec.offset, rec.generation))
+                if rec is None and self.promote(h):
+                    self._stats.disk_staged += 1
+                    rec = self._dram_record(h)
+                out.append(None if rec is None else (rec.offset, rec.generation))
         return out
 
     def read(self, locations: Sequence[BlockLocation], dest_addrs: Sequence[Payload], on_disk: list[int],

@@ -272,6 +272,27 @@ class BlockIndex:
                                              for n, loc in holders.items()))
         return out
 
+    def disk(self, namespace: Namespace, chain: Sequence[BlockHash]) -> tuple[list[bool], dict[NodeId, set[int]]]:
+        """Where `chain` sits on disk (a router prices a disk read): per block, whether every
+        copy `present` counts is a DISK one (a pull stages it from a disk); and per node,
+        the chain indices of the blocks its own copy of is on its disk tier. No side effects."""
+        ns_map = self._blocks.get(namespace)
+        if ns_map is None:
+            return [False] * len(chain), {}
+        suspect = self.suspects() if self._suspect else ()
+        nodes = self.nodes
+        only: list[bool] = []
+        per_node: dict[NodeId, set[int]] = {}
+        for i, h in enumerate(chain):
+            holders = ns_map.get(h) or {}
+            usable = [loc.medium for n, loc in holders.items()
+                      if n not in suspect and (not loc.medium or nodes[n].stage_address)]
+            only.append(bool(usable) and all(usable))
+            for n, loc in holders.items():
+                if loc.medium:
+                    per_node.setdefault(n, set()).add(i)
+        return only, per_node
+
     def namespace_state(self, namespace: Namespace) -> tuple[list[NodeRecord], list[BlockLocation],
                                                             dict[NodeId, float]]:
         """The namespace's nodes, every copy of its blocks, and its suspect nodes (seconds left):

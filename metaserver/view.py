@@ -93,6 +93,13 @@ class IndexView:
         with self._lock:
             return self._index.present(self.namespace, cast(Sequence[BlockHash], chain))
 
+    def disk(self, chain: Sequence[bytes]) -> tuple[list[bool], dict[NodeId, set[int]]] | None:
+        """`BlockIndex.disk` on the view; None while the view is not current."""
+        if not self.current():
+            return None
+        with self._lock:
+            return self._index.disk(self.namespace, cast(Sequence[BlockHash], chain))
+
     def wait_current(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.current():

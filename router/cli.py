@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from router.policy import POLICIES
+from router.policy import DISK_COST, POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pull-value", type=float, default=0.9,
                    help="prefix: share of a recompute that a token pulled from another node's pool saves (0..1; "
                         "on loopback TCP a pull costs a few %% of a recompute)")
+    p.add_argument("--disk-cost", type=float, default=DISK_COST,
+                   help="prefix: prefill tokens one block read from a disk tier costs (its own or another node's; "
+                        "default: SmolLM2's block at the tier's measured read rate, docs/BENCHMARKS.md)")
     p.add_argument("--prefix-wait", type=float, default=10.0,
                    help="prefix: a request whose leading blocks (half of its prompt or more) another one is still "
                         "computing waits up to this long (s) for the other's first token before it is routed, "
@@ -146,7 +149,8 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
                 view = IndexView(client, want)
             if args.policy != "prefix":
                 hasher = None
-        policy = make_policy(args.policy, hasher.block_size if hasher else 0, view, args.load_weight, args.pull_value)
+        policy = make_policy(args.policy, hasher.block_size if hasher else 0, view, args.load_weight, args.pull_value,
+                             args.disk_cost)
         if args.discover:
             assert client is not None
             # A hashing router offers only nodes of its own layout: the registry's namespace is it.
@@ -171,9 +175,9 @@ def main(args: argparse.Namespace) -> int:
         _node_urls(args)
         if args.prefix_wait < 0:
             raise ValueError(f"--prefix-wait must be >= 0, got {args.prefix_wait}")
-        if args.load_weight < 0 or not 0 <= args.pull_value <= 1:
-            raise ValueError(f"need --load-weight >= 0 and 0 <= --pull-value <= 1, got {args.load_weight}, "
-                             f"{args.pull_value}")
+        if args.load_weight < 0 or not 0 <= args.pull_value <= 1 or args.disk_cost < 0:
+            raise ValueError(f"need --load-weight >= 0, 0 <= --pull-value <= 1 and --disk-cost >= 0, got "
+                             f"{args.load_weight}, {args.pull_value}, {args.disk_cost}")
         web.run_app(_build(args), host=host, port=port, print=None, handle_signals=True)
     except (ValueError, LayoutError, ModelLoadError, OSError, TimeoutError) as err:
         print(f"kvpool router: error: {err}", file=sys.stderr)

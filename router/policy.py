@@ -6,7 +6,9 @@
   each node it predicts the tokens the request computes there: the prompt, less the blocks
   the node holds itself from block 0 (a local hit, free), less `pull_value` of each block
   of the run the pool holds from there, whatever it lacks before, as the connector loads
-  (a pull costs a little, a recompute all). To that it adds the node's queue: the
+  (a pull costs a little, a recompute all), plus `disk_cost` tokens for each of those
+  blocks read from a disk tier: one of the node's own held on its disk only, or one of the
+  run held on disks only (staged by its holder first). To that it adds the node's queue: the
   predicted compute of this router's requests there still waiting for their first token,
   and `load_weight` tokens for each request there already generating (they share its steps)
   or sent by someone else. It takes the cheapest (ties: least loaded, then in turn).
@@ -29,6 +31,13 @@ from router.backends import Backend
 from router.chain import Chain
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
+
+# Prefill tokens one block read from a disk tier costs: a SmolLM2-135M block (737,280 bytes)
+# read and validated at the tier's measured 913 MB/s (docs/BENCHMARKS.md, "Disk tier":
+# tier_read) takes 0.81 ms, the time this CPU prefills ~0.65 tokens in (fp32, 690-880 tok/s,
+# docs/BENCHMARKS.md "Offline prefill"). Far cheaper than a recompute (16 tokens a block),
+# not free: a DRAM copy wins over a disk one when all else is equal.
+DISK_COST = 0.65
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +122,20 @@ class Prefix(Policy):
     name = "prefix"
 
     def __init__(self, block_size: int, view: IndexView | None = None, load_weight: float = 32.0,
-                 pull_value: float = 0.9) -> None:
+                 pull_value: float = 0.9, disk_cost: float = DISK_COST) -> None:
         """`load_weight`: prefill tokens one generating request on a node is worth (the time it
         adds to the steps a new prompt's prefill shares); `pull_value`: the share of a
-        recompute a pulled token saves (0..1)."""
+        recompute a pulled token saves (0..1); `disk_cost`: prefill tokens one block read
+        from a disk tier costs on top (>= 0)."""
         super().__init__()
-        if load_weight < 0 or not 0 <= pull_value <= 1:
-            raise ValueError(f"need load_weight >= 0 and 0 <= pull_value <= 1, got {load_weight}, {pull_value}")
+        if load_weight < 0 or not 0 <= pull_value <= 1 or disk_cost < 0:
+            raise ValueError(f"need load_weight >= 0, 0 <= pull_value <= 1 and disk_cost >= 0, got {load_weight}, "
+                             f"{pull_value}, {disk_cost}")
         self.block_size = block_size
         self.view = view
         self.load_weight = load_weight
         self.pull_value = pull_value
+        self.disk_cost = disk_cost
         self.table = RouteTable()
         self.view_answers = 0   # choices made with the index's answer (counter)
 
@@ -134,18 +146,27 @@ class Prefix(Policy):
         hashes = chain.hashes[:(chain.num_tokens - 1) // self.block_size]
         by_node: dict = {}
         present: list[bool] = []
+        disk_only: list[bool] = []            # per block: its only usable copies are on disks
+        on_disk: dict[str, set[int]] = {}     # per node: blocks its own copy of is on its disk
         got = self.view.prefix_by_node(hashes) if self.view is not None else None
         if got is not None:
             self.view_answers += 1
             by_node = got[1]
             present = self.view.present(hashes) or []  # type: ignore[union-attr]
+            if self.disk_cost:
+                disk_only, on_disk = self.view.disk(hashes) or ([], {})  # type: ignore[union-attr]
         costs: list[tuple[float, Choice]] = []
         for n in nodes:
-            local = max(by_node.get(n.node_id, 0) if n.node_id else 0, self.table.prefix(n, hashes))
+            cached = self.table.prefix(n, hashes)  # in the node's own KV cache: no read at all
+            local = max(by_node.get(n.node_id, 0) if n.node_id else 0, cached)
             # As the connector loads: the run the pool holds from where the node's own blocks
             # stop, whatever it lacks before (a hot first block is often in no pool).
             pulled = run_from(present, local)
             compute = chain.num_tokens - (local + self.pull_value * pulled) * self.block_size
+            if self.disk_cost and (disk_only or on_disk):
+                mine = on_disk.get(n.node_id, ()) if n.node_id else ()
+                reads = sum(cached <= i < local for i in mine) + sum(disk_only[local:local + pulled])
+                compute += self.disk_cost * reads
             queue = n.prefilling + self.load_weight * (n.decoding + n.external)
             costs.append((compute + queue, Choice(n, (local + pulled) * self.block_size, round(compute))))
         low = min(c for c, _ in costs)
@@ -173,11 +194,11 @@ def run_from(present: Sequence[bool], start: int) -> int:
 
 
 def make_policy(name: str, block_size: int = 0, view: IndexView | None = None, load_weight: float = 32.0,
-                pull_value: float = 0.9) -> Policy:
+                pull_value: float = 0.9, disk_cost: float | None = None) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
     if name == "prefix":
-        return Prefix(block_size, view, load_weight, pull_value)
+        return Prefix(block_size, view, load_weight, pull_value, DISK_COST if disk_cost is None else disk_cost)
     raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")

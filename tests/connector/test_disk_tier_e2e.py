@@ -71,6 +71,9 @@ def test_blocks_evicted_to_disk_are_hit_locally_and_from_another_node(nodes: dic
     assert details["remote_cached_tokens"] == n, details
     assert after_a["pool_disk_staged"] - before_a["pool_disk_staged"] == PROMPT_BLOCKS
     assert after_b["pool_remote_hit_blocks"] - before_b["pool_remote_hit_blocks"] == PROMPT_BLOCKS
+    # B asked A to stage them when its lookup offered them (prefetch on lookup), before its load.
+    assert after_b["connector_prefetch_blocks"] - before_b["connector_prefetch_blocks"] == PROMPT_BLOCKS
+    assert after_b["connector_prefetch_dropped"] == 0
     assert out_ids(got) == out_ids(c.complete(remote + suffix, 16))
 
 

@@ -207,3 +207,23 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
                                                                        ("b", Medium.DRAM)]
     assert _query_result(chain, query_response(theirs), sparse=False).nodes["a"].stage_address == "127.0.0.1:9"
     assert idx.present(NS, chain) == [True, True, True]
+
+
+def test_disk_says_which_blocks_a_router_prices_as_disk_reads() -> None:
+    """Block 0 DRAM on a; 1 DISK on a only; 2 DISK on a and DRAM on b. Per block, whether
+    every copy a reader can have is on a disk; per node, which of its own copies are."""
+    from dataclasses import replace
+
+    idx = BlockIndex()
+    for n in "ab":
+        idx.upsert_node(node(n))
+    publish(idx, "a", [0])
+    for i in (1, 2):
+        assert idx.add_block(NodeId("a"), BlockRecord(h(i), i * 4096, 64, 3, Medium.DISK))
+    publish(idx, "b", [2])
+    chain = [h(i) for i in range(4)]
+    # a does not stage: its disk copy of block 1 is usable by nobody else (present says so too)
+    assert idx.disk(NS, chain) == ([False, False, False, False], {"a": {1, 2}})
+    idx.upsert_node(replace(idx.nodes[NodeId("a")], stage_address="127.0.0.1:9"))
+    assert idx.disk(NS, chain) == ([False, True, False, False], {"a": {1, 2}})
+    assert idx.disk(Namespace("other"), chain) == ([False] * 4, {})

@@ -101,7 +101,8 @@ def test_a_node_that_is_not_a_kvpool_engine_is_refused_for_prefix(good: dict) ->
 
 @pytest.mark.parametrize("args, message", [
     (("--listen", "nowhere"), "--listen takes HOST:PORT, got 'nowhere'"),
-    (("--pull-value", "2"), "need --load-weight >= 0 and 0 <= --pull-value <= 1"),
+    (("--pull-value", "2"), "need --load-weight >= 0, 0 <= --pull-value <= 1 and --disk-cost >= 0"),
+    (("--disk-cost", "-1"), "need --load-weight >= 0, 0 <= --pull-value <= 1 and --disk-cost >= 0"),
     (("--nodes", ""), "give the nodes: --nodes URL,.. or --discover (with --metaserver)"),
     (("--discover",), "--discover reads the node registry: it needs --metaserver HOST:PORT"),
 ])

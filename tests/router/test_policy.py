@@ -1,5 +1,5 @@
 """Routing policies on their own: scores, ties, the route table (no network; the index view is
-a stand-in object answering `prefix_by_node` and `present`, which tests/metaserver covers for
+a stand-in object answering `prefix_by_node`, `present` and `disk`, which tests/metaserver covers for
 real)."""
 from __future__ import annotations
 
@@ -20,9 +20,15 @@ class View:
     """Answers as IndexView.prefix_by_node and present would for a fixed index: the pool
     holds chain blocks 0..pool-1 and `also` (past a gap)."""
 
-    def __init__(self, pool: int, by_node: dict[str, int], also: tuple[int, ...] = ()) -> None:
+    def __init__(self, pool: int, by_node: dict[str, int], also: tuple[int, ...] = (),
+                 disk_only: tuple[int, ...] = (), on_disk: dict[str, set[int]] | None = None) -> None:
         self.answer = (pool, by_node)
         self.also = also
+        self.disk_only = disk_only      # blocks held on disks only (IndexView.disk)
+        self.on_disk = on_disk or {}    # per node, the blocks its own copy of is on its disk
+
+    def disk(self, hashes):  # noqa: ANN001, ANN201
+        return [i in self.disk_only for i in range(len(hashes))], self.on_disk
 
     def prefix_by_node(self, hashes):  # noqa: ANN001, ANN201
         return (min(self.answer[0], len(hashes)), {k: min(v, len(hashes)) for k, v in self.answer[1].items()})
@@ -117,3 +123,34 @@ def test_prefix_counts_the_run_the_pool_holds_after_a_nodes_own_blocks_past_a_ga
     p.routed(ns[1], chain(1))                      # n1's cache holds block 0
     c = p.choose(ns, chain(12))                    # n1: 197 - (1 + 0.5 * 9) * 16 = 109; n0: 197
     assert c.node.url == "http://n1" and c.predicted_hit_tokens == 160 and c.compute_tokens == 109
+
+
+def test_a_dram_holder_beats_a_disk_holder_and_disk_beats_recompute() -> None:
+    """n0 holds blocks 0-9 in DRAM, n1 the same blocks on its disk tier: both hit all ten,
+    but n1 reads them from disk first (disk_cost a block), so n0 wins every time (without
+    the disk price it is a tie, broken in turn). Still far cheaper than a recompute."""
+    ns = nodes(0, 0)
+    p = Prefix(BS, View(pool=10, by_node={"n0": 10, "n1": 10}, on_disk={"n1": set(range(10))}), load_weight=16,
+               pull_value=0.9)
+    assert {p.choose(ns, chain(12)).node.url for _ in range(4)} == {"http://n0"}
+    alone = p.choose([ns[1]], chain(12))          # 197 - 160 + 0.65 * 10 = 43.5
+    assert alone.predicted_hit_tokens == 160 and alone.compute_tokens == round(37 + 10 * p.disk_cost) < 197
+    # n1 computed the chain itself lately (the route table): its KV cache holds it, no disk read.
+    p.routed(ns[1], chain(10))
+    assert p.choose([ns[1]], chain(12)).compute_tokens == 37
+
+
+def test_a_run_held_on_disks_only_costs_a_pull_and_a_disk_read() -> None:
+    """Blocks 0-9 are in the pool only as n1's disk copies (staged for a pull): n0 pulls
+    them at a pull's price plus a disk read each; a DRAM run is cheaper; recompute dearer."""
+    ns = nodes(0)
+    on_disks = Prefix(BS, View(pool=10, by_node={}, disk_only=tuple(range(10))), load_weight=16, pull_value=0.9)
+    in_dram = Prefix(BS, View(pool=10, by_node={}), load_weight=16, pull_value=0.9)
+    d, m = on_disks.choose(ns, chain(12)), in_dram.choose(ns, chain(12))
+    assert m.compute_tokens < d.compute_tokens < 197
+    assert d.compute_tokens == round(197 - 0.9 * 160 + 10 * on_disks.disk_cost)
+    off = Prefix(BS, View(pool=10, by_node={}, disk_only=tuple(range(10))), load_weight=16, pull_value=0.9,
+                 disk_cost=0)
+    assert off.choose(ns, chain(12)).compute_tokens == m.compute_tokens
+    with pytest.raises(ValueError, match="disk_cost"):
+        Prefix(BS, disk_cost=-1)
