@@ -199,6 +199,7 @@ def _restart(node, blocks: int, fresh, n: int, bs: int) -> dict:  # noqa: ANN001
     header scan), to re-published, to serving, and the probe's TTFT, a hit on its own disk."""
     probe = fresh(n)
     node.complete(probe, 1)
+    _saved(node)  # before a push may reuse its cache blocks
     while node.stats()["pool_disk_blocks"] < blocks:
         node.complete(fresh(n), 1)
         _saved(node)
