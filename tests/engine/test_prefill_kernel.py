@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (engine/attention/csrc/paged_prefill.c) against SDPA.
+"""The C prefill-attention kernel (engine/native/csrc/paged_prefill.c) against SDPA.
 
 It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512; the shapes here
 cut its 8-row query tiles and 32-key tiles at every kind of edge, with history (chunked
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.attention import cpu_kernel, torch_backend
+from engine.native.build import build
 from tests.engine.test_torch_attention import fresh, random_pass
 
 HD = cpu_kernel.PREFILL_HEAD_DIM
@@ -22,7 +23,7 @@ AVX512 = "avx512f" in next((line for line in Path("/proc/cpuinfo").read_text().s
 
 @pytest.fixture(autouse=True)
 def built() -> None:
-    cpu_kernel.build(cpu_kernel.PREFILL_SOURCE)  # raises if it cannot build: no silent SDPA fallback
+    build(cpu_kernel.PREFILL_SOURCE)  # raises if it cannot build: no silent SDPA fallback
 
 
 def counted(monkeypatch) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from engine.attention import metadata as md
 from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata, SeqSpan
 from engine.kv_cache import CacheLayout, PagedKVCache
+from engine.native.build import build
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 
@@ -21,7 +22,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 @pytest.fixture(params=["kernel", "groups"], autouse=True)
 def decode_path(request, monkeypatch) -> str:
     if request.param == "kernel":
-        cpu_kernel.build()  # raises if it cannot build: never a silent fall back to the other path
+        build(cpu_kernel.SOURCE)  # raises if it cannot build: never a silent fall back to the other path
         assert cpu_kernel.available()
     else:
         monkeypatch.setattr(cpu_kernel, "supports", lambda *a: False)
@@ -154,7 +155,7 @@ def test_the_models_shapes() -> None:
 
 def test_the_kernel_leaves_subnormal_floats_alone() -> None:
     """Loading the kernel (compiled with -ffast-math) must not turn on flush-to-zero process-wide."""
-    cpu_kernel.build()
+    build(cpu_kernel.SOURCE)
     tiny, one = float.fromhex("0x0.0000000000001p-1022"), float(len("x"))
     assert tiny * one > 0.0
     t = torch.full((4,), 1e-40, dtype=torch.float32)
