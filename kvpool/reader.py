@@ -86,8 +86,9 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     turn), so one range for the run moves the same bytes in fewer, fuller slices. Only for
     destinations in one registered region (a range must not cross registrations). Merged
     ranges stay under `max_bytes` (MERGE_MAX_BYTES): one 64 MiB range of 4 MiB blocks was
-    3-8% slower here than the same blocks as ranges of their own, which the engine spreads
-    over its TCP lanes to the peer."""
+    slower than the same blocks as ranges of their own, which the engine spreads over its TCP
+    lanes to the peer (docs/journal/benchmarks-history.md, "Node pool reads: `kvpool bench
+    transfer`")."""
     if len(local) == 1:
         return local, remote, lengths
     out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
