@@ -24,7 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     device: str = "auto"                   # auto = cuda if available, else cpu
-    attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu
+    attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu (attention/cpu_backend.py)
     served_model_name: str = ""            # name in the API; default: the model's own name
     kv_transfer_config: KVTransferConfig | None = None  # a KV connector (--kv-connector); None = local cache only
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None = off

@@ -2,7 +2,8 @@
 
 Why: a decode step reads the K/V of every sequence in the batch, in blocks scattered over a
 cache of gigabytes, and every weight; with 4 KiB pages nearly every block read also misses the
-TLB (the decode attention kernel ran 10-35% faster on huge pages: docs/journal/benchmarks-history.md). Linux's
+TLB (the decode attention kernel ran faster on huge pages: docs/journal/benchmarks-history.md, "A C
+prefill attention kernel, huge pages, and where the throughput run's time goes"). Linux's
 THP in "madvise" mode (Debian's default) backs only regions that ask, so `empty` asks with
 madvise(MADV_HUGEPAGE) before the tensor is first touched. Where THP is off, or madvise is not
 there (not Linux), the tensor is the same, on small pages: nothing else changes.

@@ -1,10 +1,10 @@
-"""Fused elementwise steps of a decoder layer on CPU (csrc/layer_ops.c), called via ctypes.
+"""Fused elementwise steps of a decoder layer on CPU (engine/native/csrc/layer_ops.c), called via ctypes.
 
 RMSNorm, residual add + RMSNorm, RoPE in place and SiLU-and-multiply, float32, each one C call
 instead of 3-6 torch ops: at decode batch sizes those ops cost their dispatch, not their
 arithmetic. And the linears' matmul over weights packed in panels (`panel_matmul`), which ran
 faster than oneDNN's packed GEMM at every batch size measured (docs/journal/benchmarks-history.md).
-Built like the decode attention kernel (`engine.attention.cpu_kernel.build`).
+Built like the decode attention kernel (`engine.native.build`).
 `usable(...)` says whether a call may take this path (CPU, float32, contiguous rows, the
 library built); engine/model.py falls back to its torch ops otherwise. The results agree with
 the torch formulas to float32 rounding (a different summation order), not to the bit.
@@ -12,14 +12,13 @@ the torch formulas to float32 rounding (a different summation order), not to the
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from engine import hugepages
-from engine.attention.cpu_kernel import LazyLibrary
+from engine.native.build import CSRC, LazyLibrary
 
-SOURCE = Path(__file__).with_name("csrc") / "layer_ops.c"
+SOURCE = CSRC / "layer_ops.c"
 MAX_HEAD_DIM = 512  # the C source's scratch row
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

@@ -51,7 +51,7 @@ def pick_attention(backend: str, device: torch.device):  # noqa: ANN201
         from engine.attention.triton_backend import paged_attention as triton_attention
 
         return triton_attention
-    from engine.attention.torch_backend import paged_attention
+    from engine.attention.cpu_backend import paged_attention
 
     return paged_attention
 

@@ -52,12 +52,12 @@ def _onednn_available() -> bool:
 
 class Linear:
     """y = x @ weight.T, no bias. On CPU in float32 with `panels` (and the C layer ops built) the
-    weight is packed in panels for the C matmul (`layer_ops.panel_matmul`), which ran at 205-228
-    GFLOPS on this 2-core machine where oneDNN's packed GEMM ran at 150-220, the most behind at
-    decode batch sizes (docs/journal/benchmarks-history.md). Otherwise on CPU in float32 the weight is packed
-    once for oneDNN (1.3-2.5x faster than F.linear, MKL sgemm, at decode batch sizes on an AVX2
-    machine); elsewhere, or with use_onednn=False, it is F.linear. One packed copy replaces the
-    weight."""
+    weight is packed in panels for the C matmul (`layer_ops.panel_matmul`), which ran faster than
+    oneDNN's packed GEMM, most of all at decode batch sizes (docs/journal/benchmarks-history.md,
+    "The linears on our own panel kernel, SwiGLU fused, the last layer on the sampled rows").
+    Otherwise on CPU in float32 the weight is packed once for oneDNN (faster than F.linear, MKL
+    sgemm, at decode batch sizes: same file, "Engine: `kvpool bench engine`"); elsewhere, or with
+    use_onednn=False, it is F.linear. One packed copy replaces the weight."""
 
     def __init__(self, weight: torch.Tensor, use_onednn: bool = True, panels: bool = False) -> None:
         self.weight: torch.Tensor | None = weight

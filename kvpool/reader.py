@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -85,8 +86,9 @@ def coalesce(local: list[int], remote: list[int], lengths: list[int],
     turn), so one range for the run moves the same bytes in fewer, fuller slices. Only for
     destinations in one registered region (a range must not cross registrations). Merged
     ranges stay under `max_bytes` (MERGE_MAX_BYTES): one 64 MiB range of 4 MiB blocks was
-    3-8% slower here than the same blocks as ranges of their own, which the engine spreads
-    over its TCP lanes to the peer."""
+    slower than the same blocks as ranges of their own, which the engine spreads over its TCP
+    lanes to the peer (docs/journal/benchmarks-history.md, "Node pool reads: `kvpool bench
+    transfer`")."""
     if len(local) == 1:
         return local, remote, lengths
     out_l, out_r, out_n = [local[0]], [remote[0]], [lengths[0]]
@@ -219,17 +221,32 @@ class ReadContext:
     timeout_s: float               # a read not finished by then fails
 
 
+class _State(Enum):
+    """Where a `_Batch` is. Every transition happens under its handle's lock, and only forward:
+
+        CONTACTING --post--> POSTED --hand off / complete inline--> COMPLETING --answer--> ANSWERED
+        CONTACTING --first contact or submit fails--> REFUSED
+        ANSWERED, REFUSED --validate, count--> SETTLED
+        CONTACTING --past the read's deadline--> SETTLED (failed; nothing was submitted)
+
+    A batch that reached POSTED settles only through ANSWERED, deadline or not: until the
+    transfer engine answers, its bytes may still land (see `ReadHandle._poll`)."""
+    CONTACTING = "contacting"  # nothing submitted yet: the first contact with the source is under way
+    POSTED = "posted"          # the read into the landing slots was submitted; no thread completes it yet
+    COMPLETING = "completing"  # a thread (the completer or a waiting caller) waits for the engine's answer
+    ANSWERED = "answered"      # the transfer engine answered for every range (ok, or `error`)
+    REFUSED = "refused"        # the first contact or the submit failed (`error`): nothing was submitted
+    SETTLED = "settled"        # its blocks were validated and counted as ok or failed
+
+
 @dataclass(slots=True)
 class _Batch:
     session: str
     idx: list[int]            # the request's block indices it reads
     landing: list[int]        # landing slots, one per block, in the order of idx
-    posted: bool = False      # the read into the landing slots was submitted (it may still land)
+    state: _State = _State.CONTACTING
     batch_id: int = 0         # the transfer engine's, once posted
-    completing: bool = False  # a thread (the completer or a waiting caller) completes it
-    finished: bool = False    # the transfer engine answered (or the post or first contact failed)
     error: Exception | None = None  # why it failed, when it did
-    settled: bool = False     # its blocks were validated and counted as ok or failed
     late: bool = False        # posted and past the caller's deadline (logged once; settles when answered)
     nbytes: int = 0           # bytes the batch moves
 
@@ -300,7 +317,7 @@ class ReadHandle:
     def _after_contact(self, contact: Future[None], batch: _Batch, local: list[int], remote: list[int],
                        lengths: list[int]) -> None:
         with self._lock:
-            if batch.settled:  # the caller gave up meanwhile: nothing was posted, nothing will land
+            if batch.state is _State.SETTLED:  # the caller gave up meanwhile: nothing was posted, nothing will land
                 return
             err = contact.exception()
             if err is not None:
@@ -315,7 +332,7 @@ class ReadHandle:
         except TransferError as err:
             self._finish(batch, err)
             return
-        batch.posted = True
+        batch.state = _State.POSTED
         if hand_off:
             self._hand_off([batch])
 
@@ -338,7 +355,8 @@ class ReadHandle:
     def _finish(self, batch: _Batch, err: Exception | None) -> None:
         with self._lock:
             batch.error = err
-            batch.finished = True
+            # A thread completes only posted batches; the others failed before anything was submitted.
+            batch.state = _State.ANSWERED if batch.state is _State.COMPLETING else _State.REFUSED
             if self._finished is not None:
                 self._finished.notify_all()
         if self._on_progress is not None:
@@ -347,7 +365,7 @@ class ReadHandle:
     def _hand_off(self, batches: list[_Batch]) -> None:
         """One completion thread completes `batches` in order."""
         for b in batches:
-            b.completing = True
+            b.state = _State.COMPLETING
         self._ctx.completer.submit(self._complete_in_order, batches)
 
     def _complete_in_order(self, batches: list[_Batch]) -> None:
@@ -368,30 +386,31 @@ class ReadHandle:
         shorter than the engine's bound sends them to the completion thread."""
         timeout_s = self._ctx.te.config.transfer_timeout_s
         with self._lock:
-            mine = [b for b in self._batches if b.posted and not b.completing and not b.settled]
+            mine = [b for b in self._batches if b.state is _State.POSTED]
             # The engine's bound runs from the submit, which is past: from now it is an upper bound.
             if not mine or (end is not None and time.monotonic() + timeout_s + max(b.nbytes for b in mine) * 1e-9
                             >= end):
                 return
             for b in mine:
-                b.completing = True
+                b.state = _State.COMPLETING
         for b in mine:
             err = self._complete(b)
             with self._lock:  # validate it while the next batch is still in flight
                 self._finish(b, err)  # (wakes other threads blocked in wait())
-                if not b.settled:  # (a poller on another thread may have timed it out meanwhile)
+                if b.state is not _State.SETTLED:  # (a poller on another thread may have timed it out meanwhile)
                     self._settle_finished(b)
                 self._set_result_if_settled()
 
     def _settle(self, batch: _Batch, ok: bool) -> None:
         """Validate a finished batch's blocks in their landing slots, copy the valid ones to
         their destinations (or fail them all), count them, and free or quarantine the slots."""
-        batch.settled = True
+        posted = batch.state is _State.ANSWERED  # (a batch settles unanswered only if never posted)
+        batch.state = _State.SETTLED
         good, bad, stats, landing = self._ok, self._failed, self._ctx.stats, self._ctx.landing
         if not ok:
             bad.update(batch.idx)
             stats.failed_reads += len(batch.idx)
-            if batch.posted:  # ranges of it may still be in flight or queued: they land in quarantine
+            if posted:  # ranges of it may still be in flight or queued: they land in quarantine
                 landing.quarantine(batch.landing)
             else:
                 landing.give(batch.landing)
@@ -420,14 +439,14 @@ class ReadHandle:
         unsettled = 0
         unclaimed = []
         for b in self._batches:
-            if b.settled:
+            if b.state is _State.SETTLED:
                 continue
-            if b.finished:
+            if b.state is _State.ANSWERED or b.state is _State.REFUSED:
                 self._settle_finished(b)
                 continue
             if expired is None:
                 expired = time.monotonic() > self._deadline
-            if expired and not b.posted:  # nothing was handed to the transfer engine: nothing lands
+            if expired and b.state is _State.CONTACTING:  # nothing was handed to the transfer engine: nothing lands
                 log.warning("read of %d blocks from %s timed out before it was posted", len(b.idx), b.session)
                 self._settle(b, False)
                 continue
@@ -440,7 +459,7 @@ class ReadHandle:
                 log.warning("read of %d blocks from %s is past its deadline; waiting for the transfer engine's "
                             "answer before the blocks are released", len(b.idx), b.session)
             unsettled += 1
-            if b.posted and not b.completing:
+            if b.state is _State.POSTED:
                 unclaimed.append(b)
         if hand_off and unclaimed:
             self._hand_off(unclaimed)
@@ -453,7 +472,7 @@ class ReadHandle:
         self._settle(b, b.error is None)
 
     def _set_result_if_settled(self) -> None:
-        if self.result is None and self._deferred_done and all(b.settled for b in self._batches):
+        if self.result is None and self._deferred_done and all(b.state is _State.SETTLED for b in self._batches):
             self.result = ReadResult(tuple(sorted(self._ok)), tuple(sorted(self._failed)))
 
     def done(self) -> bool:

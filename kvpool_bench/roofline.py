@@ -71,7 +71,7 @@ def run_work(shape: ModelConfig, prompt_lens: list[int], output_tokens: int, dty
 
 
 def _library() -> ctypes.CDLL:
-    from engine.attention.cpu_kernel import build
+    from engine.native.build import build
 
     lib = build(SOURCE)
     lib.fma_flops.argtypes = [ctypes.c_int64, ctypes.c_float, ctypes.POINTER(ctypes.c_float)]

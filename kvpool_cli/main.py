@@ -15,7 +15,8 @@ from collections.abc import Callable
 # OpenMP threads that wait spin for a while before they sleep (libgomp's default spin count is
 # long). A server's engine thread shares the cores with its HTTP thread and the clients: a
 # spinning worker delays them, and a preempted one stalls the next parallel region. A short spin
-# served decode and prefill ~15-25% faster here (docs/journal/benchmarks-history.md).
+# served decode and prefill faster (docs/journal/benchmarks-history.md, "After the in-place decode
+# kernel and a short OpenMP spin").
 # Set before torch loads libgomp (it reads the variable once): `main` does, first; a value the
 # user set wins. The harness drops it again for the vLLM servers it starts (their defaults
 # are the reference).

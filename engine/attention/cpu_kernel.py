@@ -1,122 +1,23 @@
-"""The C attention kernels (csrc/paged_decode.c, csrc/paged_prefill.c), built on first use and
-called via ctypes.
+"""The C attention kernels (engine/native/csrc/paged_decode.c, paged_prefill.c), built on first
+use and called via ctypes.
 
-Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
-OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
-($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
-own; a source may include headers by a quoted relative path (csrc/simd.h), which are part of
-the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
-kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
-the call.
-
-`available()` is False (and the torch path runs) where no compiler works; `build()` raises
+Built and cached by `engine.native.build` (this machine's compiler and CPU; see there).
+`available()` is False (and the torch path runs) where no compiler works; `build(SOURCE)` raises
 instead, for `make setup` and tests that must not pass without the kernel.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import re
-import shutil
-import subprocess
-import tempfile
-import threading
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from engine.native.build import CSRC, LazyLibrary
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-PREFILL_SOURCE = SOURCE.with_name("paged_prefill.c")
-# -ffast-math only when compiling: linking with it adds crtfastmath.o, whose constructor turns on
-# flush-to-zero for the whole process (every float op of Python, numpy and torch would change).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
-LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+SOURCE = CSRC / "paged_decode.c"
+PREFILL_SOURCE = CSRC / "paged_prefill.c"
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64  # the C source's array bounds
 PREFILL_HEAD_DIM = 64  # the prefill kernel's register tiles are cut for this head size
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded (the message says why)."""
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
-
-
-def _library_path(compiler: str, source: Path) -> Path:
-    """Where `source`'s build is cached: keyed by its text and the headers it includes by a
-    quoted path (relative to it), the compiler and flags, and the CPU's feature flags."""
-    text = source.read_bytes()
-    headers = b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
-    key = hashlib.sha256(text + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
-                         + _cpu_flags().encode())
-    root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
-    return root / key.hexdigest()[:16] / f"{source.stem}.so"
-
-
-def build(source: Path = SOURCE) -> ctypes.CDLL:
-    """Compile `source` (if not cached) and load the library; KernelBuildError if that fails.
-    Other C sources of the engine (engine/layer_ops.py) are built the same way."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise KernelBuildError("no C compiler (cc or $CC) on PATH")
-    lib = _library_path(compiler, source)
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent builders never load a half-written file.
-        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-            obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            for cmd in ([compiler, *FLAGS, "-c", str(source), "-o", str(obj)],
-                        [compiler, str(obj), *LINK_FLAGS, "-o", str(so)]):
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise KernelBuildError(f"{' '.join(cmd)} failed: {r.stderr.strip()[:500]}")
-            os.replace(so, lib)
-    try:
-        return ctypes.CDLL(str(lib))
-    except OSError as e:
-        raise KernelBuildError(f"cannot load {lib}: {e}") from e
-
-
-class LazyLibrary:
-    """`source` built and loaded on the first `get()` (thread-safe), and `bind(lib)`'s result kept
-    (the configured function or library); None where the build failed, logged once as
-    `unavailable` (what runs instead)."""
-
-    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL], Any], unavailable: str) -> None:
-        self.source, self.bind, self.unavailable = source, bind, unavailable
-        self._value: Any = None
-        self._failed: str | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Any:
-        if self._value is not None:  # loaded: no lock on the hot path (every layer of every pass asks)
-            return self._value
-        with self._lock:
-            if self._value is None and self._failed is None:
-                try:
-                    lib = build(self.source)
-                except KernelBuildError as e:
-                    self._failed = str(e)
-                    log.warning("%s: %s", self.unavailable, e)
-                    return None
-                self._value = self.bind(lib)
-            return self._value
 
 
 def _bind(lib: ctypes.CDLL) -> Any:

@@ -15,7 +15,7 @@ class SeqSpan:
     block_table: torch.Tensor  # int64 [num_blocks_of_this_seq]
 
 
-# Decode batching (torch backend). Decode sequences are sorted by context length and cut into
+# Decode batching (the CPU backend's path without the C decode kernel). Decode sequences are sorted by context length and cut into
 # groups, each padded to its longest member and run as one attention call per layer. The cut
 # minimizes  sum over groups of (GROUP_COST_TOKENS + size * padded length): one more group costs
 # a few ops per layer, about as much as GROUP_COST_TOKENS keys of gather and attention. A group

@@ -39,8 +39,9 @@ class EngineHost:
     per thread that starts parallel regions, and once a process holds more such threads than
     CPUs, libgomp cuts every worker's spin between regions to ~100 rounds: the workers sleep
     and each region pays a futex wake-up. An engine loaded on the main thread and stepped on
-    another holds two pools; a 16-token prefill took 44-46 ms that way against 28-32 on one
-    thread (docs/journal/benchmarks-history.md). `torch.set_num_threads` is also per thread under OpenMP, so
+    another holds two pools, and a short prefill took markedly longer that way than on one
+    thread (docs/journal/benchmarks-history.md, "The decode kernel in two passes, and the run's floor
+    on this machine"). `torch.set_num_threads` is also per thread under OpenMP, so
     `--threads` only reaches the loop when the loop's thread applies it.
 
     `build` runs on the new thread; its result (None: it failed and said why) is `engine`,

@@ -16,7 +16,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
 from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
-from tests.connector.test_scheduler_loads import ScriptedConnector, finish_step, make
+from tests.engine.test_scheduler_loads import ScriptedConnector, finish_step, make
 
 FP = "fp-test"
 NODE = NodeRecord(NodeId("prefill-0"), "127.0.0.1:7001", 0x7F0000000000, 1 << 30, Namespace(FP), 0, 0)

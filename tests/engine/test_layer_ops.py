@@ -16,7 +16,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(autouse=True, scope="module")
 def built() -> None:
-    from engine.attention.cpu_kernel import build
+    from engine.native.build import build
 
     build(layer_ops.SOURCE)  # raises if it cannot build: never a silent fall back to the torch ops
     assert layer_ops.library() is not None

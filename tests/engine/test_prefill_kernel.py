@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (engine/attention/csrc/paged_prefill.c) against SDPA.
+"""The C prefill-attention kernel (engine/native/csrc/paged_prefill.c) against SDPA.
 
 It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512; the shapes here
 cut its 8-row query tiles and 32-key tiles at every kind of edge, with history (chunked
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import cpu_kernel, torch_backend
-from tests.engine.test_torch_attention import fresh, random_pass
+from engine.attention import cpu_backend, cpu_kernel
+from engine.native.build import build
+from tests.engine.test_cpu_attention import fresh, random_pass
 
 HD = cpu_kernel.PREFILL_HEAD_DIM
 AVX512 = "avx512f" in next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -22,7 +23,7 @@ AVX512 = "avx512f" in next((line for line in Path("/proc/cpuinfo").read_text().s
 
 @pytest.fixture(autouse=True)
 def built() -> None:
-    cpu_kernel.build(cpu_kernel.PREFILL_SOURCE)  # raises if it cannot build: no silent SDPA fallback
+    build(cpu_kernel.PREFILL_SOURCE)  # raises if it cannot build: no silent SDPA fallback
 
 
 def counted(monkeypatch) -> list[tuple[int, int]]:
@@ -41,8 +42,8 @@ def counted(monkeypatch) -> list[tuple[int, int]]:
 
 def check(q, cache, meta, atol: float = 2e-5) -> None:  # noqa: ANN001
     for layer in range(cache.layout.num_layers):
-        ref = torch_backend.paged_attention_reference(q, cache, layer, meta, 0.125)
-        out = torch_backend.paged_attention(q, cache, layer, fresh(meta), 0.125)
+        ref = cpu_backend.paged_attention_reference(q, cache, layer, meta, 0.125)
+        out = cpu_backend.paged_attention(q, cache, layer, fresh(meta), 0.125)
         assert torch.isfinite(out).all(), f"layer {layer}: a slot outside a context was read"
         err = (out - ref).abs().max().item()
         assert err <= atol, f"layer {layer}: max error {err}"
@@ -72,10 +73,10 @@ def test_each_row_sees_exactly_its_causal_prefix() -> None:
     inside a key tile and across tiles."""
     q, cache, meta = random_pass([(70, 100)], seed=23, heads=9, kv_heads=3, head_dim=HD, layers=1)
     s = meta.seqs[0]
-    before = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
+    before = cpu_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
     for p in (30, 45, 63, 64, 99):  # positions of the chunk's rows are 30 .. 99
         cache.blocks[s.block_table[p // cache.layout.block_size], 0, 0, p % cache.layout.block_size] += 3.0
-        after = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
+        after = cpu_backend.paged_attention(q, cache, 0, fresh(meta), 0.125)
         changed = ((after - before).abs().amax(dim=(1, 2)) > 1e-4).nonzero().flatten().tolist()
         assert changed == list(range(p - 30, 70)), f"key {p}"
         before = after

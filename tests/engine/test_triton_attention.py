@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernel against the torch reference, on CPU under TRITON_INTERPRET=1.
+"""The Triton paged-attention kernel against the CPU backend, on CPU under TRITON_INTERPRET=1.
 
 Runs in a child process so that TRITON_INTERPRET is set before any @triton.jit runs.
 """
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import torch
 from engine.attention.metadata import AttentionMetadata, SeqSpan
-from engine.attention import torch_backend, triton_backend
+from engine.attention import cpu_backend, triton_backend
 from engine.kv_cache import CacheLayout, PagedKVCache
 
 torch.manual_seed(0)
@@ -34,7 +34,7 @@ for nq, ctx in specs:
 meta = AttentionMetadata(seqs, torch.zeros(start, dtype=torch.long), torch.zeros(start, dtype=torch.long))
 q = torch.randn(start, 6, 16)
 for layer in (0, 1):
-    ref = torch_backend.paged_attention(q, cache, layer, meta, 0.25)
+    ref = cpu_backend.paged_attention(q, cache, layer, meta, 0.25)
     out = triton_backend.paged_attention(q, cache, layer, meta, 0.25)
     err = (out - ref).abs().max().item()
     assert err < 1e-4, err

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from engine.attention import cpu_kernel
+from engine.attention import cpu_backend, cpu_kernel
 from engine.attention import metadata as md
-from engine.attention import torch_backend
 from engine.attention.metadata import AttentionMetadata, SeqSpan
 from engine.kv_cache import CacheLayout, PagedKVCache
+from engine.native.build import build
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 
@@ -21,7 +21,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 8
 @pytest.fixture(params=["kernel", "groups"], autouse=True)
 def decode_path(request, monkeypatch) -> str:
     if request.param == "kernel":
-        cpu_kernel.build()  # raises if it cannot build: never a silent fall back to the other path
+        build(cpu_kernel.SOURCE)  # raises if it cannot build: never a silent fall back to the other path
         assert cpu_kernel.available()
     else:
         monkeypatch.setattr(cpu_kernel, "supports", lambda *a: False)
@@ -61,8 +61,8 @@ def fresh(meta: AttentionMetadata) -> AttentionMetadata:
 
 def check(q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata, atol: float) -> None:
     for layer in range(cache.layout.num_layers):
-        ref = torch_backend.paged_attention_reference(q, cache, layer, meta, 0.3)
-        out = torch_backend.paged_attention(q, cache, layer, meta, 0.3)
+        ref = cpu_backend.paged_attention_reference(q, cache, layer, meta, 0.3)
+        out = cpu_backend.paged_attention(q, cache, layer, meta, 0.3)
         assert torch.isfinite(ref).all()
         assert torch.isfinite(out).all(), f"layer {layer}: non-finite output (padding not masked or not zeroed)"
         err = (out.float() - ref.float()).abs().max().item()
@@ -125,9 +125,9 @@ def test_bfloat16() -> None:
 def test_a_wrong_key_is_detected() -> None:
     """The comparison can fail: one changed cached key of one sequence changes its output."""
     q, cache, meta = random_pass([(1, c) for c in (40, 17, 9)], seed=7)
-    ref = torch_backend.paged_attention_reference(q, cache, 0, meta, 0.3)
+    ref = cpu_backend.paged_attention_reference(q, cache, 0, meta, 0.3)
     cache.blocks[meta.seqs[1].block_table[2], 0, 0, 0] += 5.0  # token 16 of the 17-token sequence
-    out = torch_backend.paged_attention(q, cache, 0, fresh(meta), 0.3)
+    out = cpu_backend.paged_attention(q, cache, 0, fresh(meta), 0.3)
     assert (out[1] - ref[1]).abs().max() > 1e-3
     assert torch.allclose(out[[0, 2]], ref[[0, 2]], atol=1e-5)
 
@@ -154,7 +154,7 @@ def test_the_models_shapes() -> None:
 
 def test_the_kernel_leaves_subnormal_floats_alone() -> None:
     """Loading the kernel (compiled with -ffast-math) must not turn on flush-to-zero process-wide."""
-    cpu_kernel.build()
+    build(cpu_kernel.SOURCE)
     tiny, one = float.fromhex("0x0.0000000000001p-1022"), float(len("x"))
     assert tiny * one > 0.0
     t = torch.full((4,), 1e-40, dtype=torch.float32)

@@ -103,7 +103,7 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 typedef float v16 __attribute__((vector_size(64)));
 
 #ifdef __AVX512F__
-#include "../attention/csrc/simd.h"
+#include "simd.h"
 #endif
 
 /* out[0..15] = silu(g) * u over 16 lanes: g / (1 + exp(-g)) * u, as silu_mul_f32 computes it.

@@ -1,4 +1,4 @@
-/* AVX-512 helpers the C kernels share (the attention kernels and engine/csrc/layer_ops.c include
+/* AVX-512 helpers the C kernels share (the attention kernels and layer_ops.c include
  * this file; a build's cache key hashes the headers its source includes).
  *
  * exp512: exp over 16 floats, for the softmax (x <= 0 there: scores minus their running max)
