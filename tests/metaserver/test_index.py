@@ -167,10 +167,8 @@ def test_a_prefix_answer_stands_for_a_sparse_one_that_knows_nothing_past_the_gap
     assert _query_result(chain, query_response(idx.query(NS, [h(9)], sparse=True)), sparse=True).num_held == 0
 
 
-def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
-    """Another node's DISK block is not in registered memory: not offered to other nodes
-    unless its holder stages it (then after any DRAM copy). Its holder gets it (it reads its
-    own disk), and a DRAM copy elsewhere is offered instead."""
+def _dram_and_disk_copies() -> BlockIndex:
+    """Nodes a and b: block 0 DRAM on a; 1 DISK on a; 2 DISK on a and DRAM on b."""
     idx = BlockIndex()
     for n in "ab":
         idx.upsert_node(node(n))
@@ -178,6 +176,14 @@ def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
     for i in (1, 2):
         assert idx.add_block(NodeId("a"), BlockRecord(h(i), i * 4096, 64, 3, Medium.DISK))
     publish(idx, "b", [2])
+    return idx
+
+
+def test_a_disk_copy_is_offered_to_its_holder_only() -> None:
+    """Another node's DISK block is not in registered memory: not offered to other nodes
+    unless its holder stages it (then after any DRAM copy). Its holder gets it (it reads its
+    own disk), and a DRAM copy elsewhere is offered instead."""
+    idx = _dram_and_disk_copies()
     chain = [h(i) for i in range(3)]
     mine = idx.query(NS, chain, requester=NodeId("a"))
     assert [(loc.node_id, loc.medium) for loc in mine.locations] == [("a", Medium.DRAM), ("a", Medium.DISK),
@@ -214,13 +220,7 @@ def test_disk_says_which_blocks_a_router_prices_as_disk_reads() -> None:
     every copy a reader can have is on a disk; per node, which of its own copies are."""
     from dataclasses import replace
 
-    idx = BlockIndex()
-    for n in "ab":
-        idx.upsert_node(node(n))
-    publish(idx, "a", [0])
-    for i in (1, 2):
-        assert idx.add_block(NodeId("a"), BlockRecord(h(i), i * 4096, 64, 3, Medium.DISK))
-    publish(idx, "b", [2])
+    idx = _dram_and_disk_copies()
     chain = [h(i) for i in range(4)]
     # a does not stage: its disk copy of block 1 is usable by nobody else (present says so too)
     assert idx.disk(NS, chain) == ([False, False, False, False], {"a": {1, 2}})
