@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="our engine: recompute vs hits on the node's own disk tier vs another node's (staged)")
     p.add_argument("--disk-pool-size", default="128MiB", help="--disk: each node's DRAM pool")
     p.add_argument("--disk-kv-cache", default="160MiB", help="--disk: each node's KV cache (holds one prompt)")
+    p.add_argument("--disk-size", default="4GiB",
+                   help="--disk: each node's disk tier, preallocated (--restart-blocks: at least that many slots)")
     p.add_argument("--restart-blocks", type=int, default=0,
                    help="--disk: then fill node B's disk tier to N blocks, restart B (SIGTERM, same id and "
                         "directory) and time it until it has re-published them and served a hit from them")
@@ -127,6 +129,7 @@ def _to_disk(node, prompt_blocks: int, fresh, n: int) -> int:  # noqa: ANN001
 
 
 def main_disk(args: argparse.Namespace) -> int:
+    from kvpool.layout import parse_size
     from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
 
     if args.engine != "kvpool":
@@ -140,7 +143,7 @@ def main_disk(args: argparse.Namespace) -> int:
 
     bs = 16
     # Room for every block the run writes (--restart-blocks: those and a margin).
-    disk_size = max(4 << 30, int(args.restart_blocks * 1.2 * DISK_SLOT_BYTES_FP32))
+    disk_size = max(parse_size(args.disk_size), int(args.restart_blocks * 1.2 * DISK_SLOT_BYTES_FP32))
     spec = ClusterSpec(nodes=2, engine="kvpool", model=args.model, pool_size=args.disk_pool_size,
                        pool_disk_size=str(disk_size),
                        engine_args=("--dtype", args.dtype, "--kv-cache-bytes", args.disk_kv_cache,

@@ -20,7 +20,7 @@ def test_disk_hits_and_a_warm_restart_end_to_end(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "connector", "--disk",
          "--lengths", "256", "--reps", "1", "--disk-pool-size", "24MiB", "--disk-kv-cache", "48MiB",
-         "--restart-blocks", "160", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
+         "--restart-blocks", "160", "--disk-size", "256MiB", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
