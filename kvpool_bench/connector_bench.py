@@ -179,6 +179,7 @@ def main_disk(args: argparse.Namespace) -> int:
                   f" ({row['peer_disk_hit_over_recompute']:.2f}x)   target <= 0.50x", flush=True)
         stats = {"A": a.stats(), "B": b.stats()}
         restart = _restart(b, args.restart_blocks, fresh, max(lengths), bs) if args.restart_blocks else None
+    clear_disks(Path(args.run_dir))  # preallocated disk tiers: gigabytes a finished run has no use for
     for name, s in stats.items():
         print(f"node {name}: disk writes {s['pool_disk_writes']}, disk hits {s['pool_disk_hits']}, staged "
               f"{s['pool_disk_staged']}, failed disk reads {s['pool_disk_failed_reads']}, dropped writes "

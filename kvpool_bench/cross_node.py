@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from kvpool_bench.netshape import ShapingError, check_rate, shaped_pool_link
@@ -36,6 +37,9 @@ from kvpool_bench.workloads import (BenchRequest, Conversations, bounded_oracles
                                     load_trace, mooncake_trace, multi_turn, prefix_oracle, unique_prompts)
 from kvpool_harness.engine_node import read_api_key
 from router.policy import POLICIES
+
+if TYPE_CHECKING:
+    from kvpool_harness.cluster import ClusterSpec
 
 BLOCK_SIZE = 16
 BLOCK_SIZES = {"kvpool": BLOCK_SIZE, "vllm": 128}   # the engines' default block sizes (tokens)
@@ -417,8 +421,7 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
                front: str = "client") -> tuple[dict, list[Result]]:
     """One configuration (a key of CONFIGS) behind one front on a fresh cluster, or on the
     running `--urls`."""
-    from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
-    from kvpool_harness.router_node import VllmRouterProcess
+    from kvpool_harness.cluster import ClusterSpec, clear_disks
 
     name = config_name(config, front)
     if args.urls:  # nodes that are already running (their caches may be warm)
@@ -430,6 +433,17 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
                        router=front if front in POLICIES else "")
     run_dir = Path(args.run_dir) / name.replace("/", "_").replace(":", "-")
     clear_disks(run_dir)
+    try:
+        return _on_cluster(args, name, front, run_dir, spec, requests)
+    finally:
+        clear_disks(run_dir)  # preallocated disk tiers: gigabytes a finished run has no use for
+
+
+def _on_cluster(args: argparse.Namespace, name: str, front: str, run_dir: Path, spec: ClusterSpec,
+                requests: list[BenchRequest]) -> tuple[dict, list[Result]]:
+    from kvpool_harness.cluster import LocalCluster
+    from kvpool_harness.router_node import VllmRouterProcess
+
     with LocalCluster(run_dir, spec) as cluster:
         nodes = [n.url for n in cluster.nodes]
         for n in cluster.nodes:  # warm-up: the first forward pass of a process is slow
