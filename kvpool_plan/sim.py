@@ -138,6 +138,9 @@ class IndexAdapter:
     def present(self, chain: Sequence[bytes]) -> list[bool]:
         return self.index.present(self.namespace, chain)
 
+    def disk(self, chain: Sequence[bytes]) -> tuple[list[bool], dict[NodeId, set[int]]]:
+        return self.index.disk(self.namespace, [BlockHash(h) for h in chain])
+
 
 @dataclass
 class SimConfig:
