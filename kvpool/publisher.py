@@ -34,12 +34,19 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name=f"publish-{config.node_id}", daemon=True)
         self._idle = threading.Event()
         self._idle.set()
+        # Records queued and not yet sent (or dropped as stale). Idle is set only when this
+        # reaches 0 under the lock: checking the queue and then setting idle raced with an
+        # enqueue in between, and a flush returned before that record was sent.
+        self._lock = threading.Lock()
+        self._pending = 0
 
     def start(self) -> None:
         self._thread.start()
 
     def enqueue(self, record: BlockRecord) -> None:
-        self._idle.clear()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
         self._queue.put(record)
 
     @property
@@ -72,8 +79,10 @@ class Publisher:
             except queue.Empty:
                 pass
             self._send([r for r in batch if self._is_current(r)])
-            if self._queue.empty():
-                self._idle.set()
+            with self._lock:
+                self._pending -= len(batch)
+                if self._pending == 0:
+                    self._idle.set()
             if stop:
                 return
 
