@@ -30,9 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpool_bench.disk_bench import SMOLLM2_BLOCK_BYTES
 from kvpool_bench.report import write_report
-
-DISK_SLOT_BYTES_FP32 = 741_376   # SmolLM2-135M fp32: one disk slot (block + header, 4 KiB aligned)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -129,6 +128,7 @@ def _to_disk(node, prompt_blocks: int, fresh, n: int) -> int:  # noqa: ANN001
 
 
 def main_disk(args: argparse.Namespace) -> int:
+    from kvpool.disk_file import disk_slot_bytes
     from kvpool.layout import parse_size
     from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
 
@@ -143,7 +143,8 @@ def main_disk(args: argparse.Namespace) -> int:
 
     bs = 16
     # Room for every block the run writes (--restart-blocks: those and a margin).
-    disk_size = max(parse_size(args.disk_size), int(args.restart_blocks * 1.2 * DISK_SLOT_BYTES_FP32))
+    disk_size = max(parse_size(args.disk_size),
+                    int(args.restart_blocks * 1.2 * disk_slot_bytes(SMOLLM2_BLOCK_BYTES)))
     spec = ClusterSpec(nodes=2, engine="kvpool", model=args.model, pool_size=args.disk_pool_size,
                        pool_disk_size=str(disk_size),
                        engine_args=("--dtype", args.dtype, "--kv-cache-bytes", args.disk_kv_cache,
