@@ -143,8 +143,12 @@ def main_disk(args: argparse.Namespace) -> int:
 
     bs = 16
     # Room for every block the run writes (--restart-blocks: those and a margin).
-    disk_size = max(parse_size(args.disk_size),
-                    int(args.restart_blocks * 1.2 * disk_slot_bytes(SMOLLM2_BLOCK_BYTES)))
+    try:
+        disk_size = max(parse_size(args.disk_size),
+                        int(args.restart_blocks * 1.2 * disk_slot_bytes(SMOLLM2_BLOCK_BYTES)))
+    except ValueError as err:
+        print(f"kvpool bench connector: error: --disk-size: {err}", file=sys.stderr)
+        return 2
     spec = ClusterSpec(nodes=2, engine="kvpool", model=args.model, pool_size=args.disk_pool_size,
                        pool_disk_size=str(disk_size),
                        engine_args=("--dtype", args.dtype, "--kv-cache-bytes", args.disk_kv_cache,

@@ -36,3 +36,12 @@ def test_disk_hits_and_a_warm_restart_end_to_end(tmp_path: Path) -> None:
     assert restart["probe_disk_hit_tokens"] == 240                     # (256 - 1) // 16 * 16
     assert 0 < restart["open_s"] <= restart["republished_s"] <= restart["serving_s"]
     assert "restart of node B" in run.stdout
+
+
+def test_a_bad_disk_size_is_a_one_line_error(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "connector", "--disk", "--disk-size", "lots",
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "kvpool bench connector: error: --disk-size: cannot parse size 'lots'; use e.g. 4GiB, 512MiB or a number "
+        "of bytes"]
+    assert not (tmp_path / "run").exists()
