@@ -102,7 +102,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         (cache,) = kv_caches.values()
         try:
             self.worker.register_cache(SlottedCache(cache.data_ptr(), self.ctx.slot_bytes, self.ctx.header_bytes),
-                                       cache.numel() * cache.element_size() // self.ctx.slot_bytes)
+                                       cache.numel() * cache.element_size() // self.ctx.slot_bytes, [cache])
         except _POOL_ERRORS as err:
             raise KVConnectorError(f"the mooncake connector could not register the KV cache: {err}") from err
 

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from connector import handoff
 from connector.cache_layout import CacheLayout
@@ -95,13 +96,24 @@ class PoolWorker:
         self._sent: dict[str, dict] = {}     # finished sends -> their transfer params (not reported yet)
         self._reported: dict[str, dict] = {}  # reported by finished_sends, params not taken yet
 
-    def register_cache(self, layout: CacheLayout, num_blocks: int) -> None:
+    def register_cache(self, layout: CacheLayout, num_blocks: int, tensors: Sequence[Any] = ()) -> None:
         """The host's KV cache of `num_blocks` blocks, where `layout` says (loads copy into
         them, saves copy out of them; the transfer engine never writes there). The pool's
-        read buffer gets a slot per cache block, so every load in flight fits."""
+        read buffer gets a slot per cache block, so every load in flight fits. `tensors`: the
+        cache's tensors; on CUDA, loads are copied host-to-device and saves staged
+        device-to-host on their own stream (`connector.device_memory`)."""
         assert self.pool is not None
         self.pool.size_read_buffer(num_blocks)
         self._layout = layout
+        if tensors and getattr(tensors[0], "is_cuda", False):
+            from connector.device_memory import CudaMemory, CudaStaging  # torch, on CUDA hosts only
+
+            memory = CudaMemory(tensors)
+            self.pool.use_caller_memory(memory)
+            if self._saver is not None:
+                self._saver.use_staging(CudaStaging(memory, self.block_bytes, self.settings.save_queue_blocks))
+            log.info("kvpool: the KV cache is on %s: loads copied host-to-device, saves staged on a copy stream",
+                     memory.device)
 
     # ---- loads ----------------------------------------------------------------------
 

@@ -2,16 +2,20 @@
 
 Where it sits: the worker half queues a step's saves after the forward pass (`enqueue`) and
 returns at once; the copier thread copies each block into the node pool (`NodePool.put`,
-which publishes the block only once its bytes and checksum are in the slot). On CUDA the
-same contract would be an async device-to-host copy on its own stream; on CPU it is a thread
-(the copy releases the GIL).
+which publishes the block only once its bytes and checksum are in the slot). On CPU the
+copier reads the cache itself (the copy releases the GIL). On CUDA (`use_staging`, with
+`connector.device_memory.CudaStaging`) `enqueue` copies each block device-to-host into a
+pinned staging slot on its own stream, ordered after the forward pass, with an event; the
+copier waits on that event and puts the staged bytes.
 
 The one hazard: the host may reuse a cache block (evicted from its prefix cache and handed
 to another request, or the destination of a load) while its save is queued or being copied,
 and the copy would then save the new bytes under the old hash. So before every step's forward
 pass (and its loads) the worker calls `fence(blocks the step writes)`: queued saves of those
 blocks are dropped (counted), and a copy of one of them in progress is waited for (that one
-copy only). The host's step never waits for anything else.
+copy only). The host's step never waits for anything else. With staging, a queued save's
+bytes are already on their way to its staging slot: the fence keeps it and makes the device
+wait for that copy's event before the forward pass writes the block (the host does not wait).
 
 Throttling: at most `max_pending` blocks wait; a save beyond that is dropped (counted), never
 waited for: the pool may miss a block, decode never stalls on it. Saves queued with `force`
@@ -25,8 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvpool.layout import Payload
 
@@ -46,8 +51,19 @@ class SaverStats:
 class _Save:
     block_id: int           # the host's cache block (what a fence names)
     block_hash: bytes
-    payload: Payload        # where the block's bytes are in the cache
+    payload: Payload        # where the block's bytes are in the cache (with staging: its staging slot)
     then: Callable[[], None] | None = None   # a marker (`after`): call this instead of saving
+    event: Any = None       # with staging: the event that completes the copy into `payload`
+
+
+class Staging(Protocol):
+    """Where saves are copied at `enqueue` when the copier cannot read the cache itself (a GPU
+    cache: `connector.device_memory.CudaStaging`)."""
+
+    def stage(self, payloads: Sequence[Payload]) -> tuple[list[int], Any]: ...
+    def wait(self, event: Any) -> None: ...                  # noqa: ANN401 - the host waits for the copies
+    def order_before_writes(self, event: Any) -> None: ...   # noqa: ANN401 - the next forward pass waits
+    def release(self, addr: int) -> None: ...
 
 
 class Saver:
@@ -62,21 +78,32 @@ class Saver:
         self._queue: deque[_Save] = deque()
         self._copying: int | None = None   # block id being copied now
         self._stop = False
+        self._staging: Staging | None = None
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
     # ---- the host's side ------------------------------------------------------------
 
+    def use_staging(self, staging: Staging) -> None:
+        """Stage every save at `enqueue` (before the first one)."""
+        self._staging = staging
+
     def enqueue(self, saves: Iterable[tuple[int, bytes, Payload]], force: bool = False) -> None:
         """Queue (block id, hash, payload) saves; those beyond `max_pending` are dropped
-        (unless `force`)."""
+        (unless `force`), and with staging those beyond its free slots too."""
         with self._cond:
+            taken = []
             for block_id, h, payload in saves:
-                if len(self._queue) >= self.max_pending and not force:
+                if len(self._queue) + len(taken) >= self.max_pending and not force:
                     self.stats.saves_dropped_behind += 1
                     continue
-                self._queue.append(_Save(block_id, h, payload))
-                self.stats.saves_queued += 1
+                taken.append(_Save(block_id, h, payload))
+            if taken and self._staging is not None:
+                addrs, event = self._staging.stage([s.payload for s in taken])
+                self.stats.saves_dropped_behind += len(taken) - len(addrs)
+                taken = [_Save(s.block_id, s.block_hash, a, event=event) for s, a in zip(taken, addrs)]
+            self._queue.extend(taken)
+            self.stats.saves_queued += len(taken)
             self._cond.notify_all()
 
     def after(self, then: Callable[[], None]) -> None:
@@ -91,6 +118,12 @@ class Saver:
         if not ids:
             return
         with self._cond:
+            if self._staging is not None:
+                # Staged saves read the block on the device, already queued: the forward pass waits
+                # for them there. The copy in progress reads its staging slot, not the block.
+                for event in {id(s.event): s.event for s in self._queue if s.block_id in ids and s.event is not None}.values():
+                    self._staging.order_before_writes(event)
+                return
             if self._queue:
                 kept = deque(s for s in self._queue if s.then is not None or s.block_id not in ids)
                 self.stats.saves_dropped_reused += len(self._queue) - len(kept)
@@ -112,9 +145,13 @@ class Saver:
         """Stop after the copy in progress; queued saves are dropped."""
         with self._cond:
             self._stop = True
-            self._queue.clear()
+            dropped, self._queue = self._queue, deque()
             self._cond.notify_all()
         self._thread.join(10)
+        if self._staging is not None:
+            for save in dropped:
+                if save.event is not None:
+                    self._staging.release(save.payload)
 
     # ---- the copier thread ----------------------------------------------------------
 
@@ -133,10 +170,17 @@ class Saver:
                     log.exception("a call queued after the saves failed")
                 continue
             try:
+                if save.event is not None:
+                    assert self._staging is not None
+                    self._staging.wait(save.event)
                 new = self._put(save.block_hash, save.payload, self._block_bytes)
             except Exception:  # noqa: BLE001 - a failed save loses one block; the copier goes on
                 log.exception("saving block %d into the pool failed", save.block_id)
                 new = False
+            finally:
+                if save.event is not None:
+                    assert self._staging is not None
+                    self._staging.release(save.payload)
             with self._cond:
                 self._copying = None
                 self.stats.saves_copied += bool(new)

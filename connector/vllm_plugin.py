@@ -295,7 +295,8 @@ class KVPoolConnector(KVConnectorBase_V1):
                 raise ValueError(f"KVPoolConnector needs per-layer caches [num_blocks, ...] with contiguous "
                                  f"blocks of one size; got shape {tuple(t.shape)} strides {t.stride()}")
         self._worker = PoolWorker(self._settings, self._fingerprint, layer_bytes * len(layers))
-        self._worker.register_cache(LayeredCache(tuple(t.data_ptr() for t in layers), stride), layers[0].shape[0])
+        self._worker.register_cache(LayeredCache(tuple(t.data_ptr() for t in layers), stride), layers[0].shape[0],
+                                    layers)
         log.info("kvpool: %d layers, %d-byte blocks, %d blocks of KV", len(layers), layer_bytes * len(layers),
                  layers[0].shape[0])
 

@@ -41,15 +41,19 @@ class CacheLayout:
 
 
 class PagedKVCache:
-    def __init__(self, layout: CacheLayout, num_blocks: int, header_bytes: int = 0) -> None:
+    def __init__(self, layout: CacheLayout, num_blocks: int, header_bytes: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         if header_bytes < 0 or header_bytes % SLOT_ALIGN:
             raise ValueError(f"header_bytes must be a non-negative multiple of {SLOT_ALIGN}, got {header_bytes}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.header_bytes = header_bytes
         self.slot_bytes = slot_bytes_for(layout.block_bytes, header_bytes)
-        # huge pages: a decode step reads blocks scattered over the whole cache (engine/hugepages.py)
-        self.raw = hugepages.empty((num_blocks, self.slot_bytes), torch.uint8).zero_()
+        if torch.device(device).type == "cpu":
+            # huge pages: a decode step reads blocks scattered over the whole cache (engine/hugepages.py)
+            self.raw = hugepages.empty((num_blocks, self.slot_bytes), torch.uint8).zero_()
+        else:
+            self.raw = torch.zeros((num_blocks, self.slot_bytes), dtype=torch.uint8, device=device)
         payload = self.raw[:, header_bytes:header_bytes + layout.block_bytes].view(layout.dtype)
         # [block, layer, k/v, token, kv_head, head_dim]
         self.blocks = payload.view(num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,

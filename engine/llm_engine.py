@@ -72,7 +72,7 @@ class LLMEngine:
         header_bytes = factory.connector_class(kvt).cache_header_bytes if kvt else 0
         slot_bytes = slot_bytes_for(self.layout.block_bytes, header_bytes)
         num_blocks = max(2, config.kv_cache_bytes // slot_bytes)
-        self.cache = PagedKVCache(self.layout, num_blocks, header_bytes)
+        self.cache = PagedKVCache(self.layout, num_blocks, header_bytes, self.device)
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.fingerprint = mc.layout_fingerprint(config.dtype, config.block_size)
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)

@@ -61,7 +61,7 @@ from pathlib import Path
 
 from kvpool.disk_file import (DATA_FILE, DISK_ALIGN, AlignedBuffers, DiskError, DiskIdentity, DiskLayoutError,
                               disk_slot_bytes, open_slots, read_headers)
-from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, Payload, memcpy, segments_of, valid_block, view
+from kvpool.layout import HEADER_BYTES, HOST_MEMORY, MAGIC, CallerMemory, SlotHeader, Payload, memcpy, valid_block, view
 from kvpool.stats import PoolStats
 from metaserver.types import BlockHash
 
@@ -332,9 +332,9 @@ class DiskTier:
 
     # ---- reads ----------------------------------------------------------------------
 
-    def read_into(self, block_hash: bytes, dest: Payload) -> bool:
+    def read_into(self, block_hash: bytes, dest: Payload, memory: CallerMemory = HOST_MEMORY) -> bool:
         """Read `block_hash` from disk, validate it, and copy its payload to `dest` (one
-        address, or equal segments in order). False (nothing written to `dest`) if it is not
+        address, or equal segments in order, in the caller's `memory`). False (nothing written to `dest`) if it is not
         held, the tier is off, or the slot does not validate (then it is dropped)."""
         h = BlockHash(bytes(block_hash))
         with self._lock:
@@ -356,8 +356,7 @@ class DiskTier:
             base = self._reading.addr(buf)
             ok = valid_block(base, base + HEADER_BYTES, self.block_bytes, h, gen)
             if ok:
-                for addr, off, length in segments_of(dest, self.block_bytes):
-                    memcpy(addr, base + HEADER_BYTES + off, length)
+                memory.write(dest, base + HEADER_BYTES, self.block_bytes)
             return ok
         except OSError as err:
             self.fail(err)

@@ -103,6 +103,29 @@ def segments_of(payload: Payload, nbytes: int) -> list[tuple[int, int, int]]:
     return [(addr, k * seg, seg) for k, addr in enumerate(payload)]
 
 
+class CallerMemory:
+    """How the pool reaches its caller's memory: the destinations of reads and the sources of
+    puts. The pool's own memory (slots, landing slots, disk buffers) is always host memory; a
+    caller's may not be (a KV cache on a GPU: `connector.device_memory`), so every copy across
+    that boundary goes through one of these two calls. This one is host memory (memcpy).
+
+    Contract of both: the copy is complete when the call returns (the pool reuses or validates
+    its side right after), and `payload` is one address or equal segments in order."""
+
+    def write(self, dest: Payload, src: int, nbytes: int) -> None:
+        """Copy `nbytes` of host memory at `src` to the caller's `dest`."""
+        for addr, offset, length in segments_of(dest, nbytes):
+            memcpy(addr, src + offset, length)
+
+    def read(self, dst: int, src: Payload, nbytes: int) -> None:
+        """Copy `nbytes` of the caller's `src` to host memory at `dst`."""
+        for addr, offset, length in segments_of(src, nbytes):
+            memcpy(dst + offset, addr, length)
+
+
+HOST_MEMORY = CallerMemory()
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
 
 

@@ -39,8 +39,7 @@ import numpy as np
 from kvpool.config import PoolConfig
 from kvpool.errors import PoolError
 from kvpool.disk import DiskBlock, DiskError, DiskIdentity, DiskTier
-from kvpool.layout import (HEADER_BYTES, MAGIC, Payload, SlotHeader, checksum, memcpy, segments_of, slot_bytes_for,
-                           view)
+from kvpool.layout import HEADER_BYTES, MAGIC, CallerMemory, Payload, SlotHeader, checksum, slot_bytes_for, view
 from kvpool.publisher import Publisher
 from kvpool.reader import Landing, Peers, ReadContext, ReadHandle
 from kvpool.stage import StageServer
@@ -358,6 +357,11 @@ class NodePool:
             gone = [h for h in hashes if not self._in_dram(h)]
         self._unpublish(gone, "disk-evicted")
 
+    def use_caller_memory(self, memory: CallerMemory) -> None:
+        """Where callers' payload addresses point (host memory unless told: a KV cache on a GPU
+        gives `connector.device_memory.CudaMemory`). Set before the first read or put."""
+        self._reads.memory = memory
+
     def put(self, block_hash: bytes, src_addr: Payload, nbytes: int) -> bool:
         """Copy a block from `src_addr` (one address, or equal segments in order) into a slot
         and queue its publication.
@@ -391,8 +395,7 @@ class NodePool:
                     raise PoolError("every slot of the pool is being written; no room for another block")
             self._retire(victims)  # then try again: another put may have taken the freed slots
         # The copy and its checksum outside the lock: a saver thread must not hold up reads.
-        for addr, offset, length in segments_of(src_addr, nbytes):
-            memcpy(base + HEADER_BYTES + offset, addr, length)
+        self._reads.memory.read(base + HEADER_BYTES, src_addr, nbytes)
         header = SlotHeader(MAGIC, slot.generation, nbytes, checksum(base + HEADER_BYTES, nbytes), h).pack()
         with self._lock:
             hdr[:] = header
@@ -481,9 +484,7 @@ class NodePool:
                 if slot is None or slot.generation != loc.generation:
                     missed.append(i)
                     continue
-                src = self._slot_addr(slot) + HEADER_BYTES
-                for addr, offset, length in segments_of(dest_addrs[i], n):
-                    memcpy(addr, src + offset, length)
+                self._reads.memory.write(dest_addrs[i], self._slot_addr(slot) + HEADER_BYTES, n)
                 self._lru.move_to_end(loc.block_hash)
                 ok.add(i)
         self.stats.local_hits += len(ok)

@@ -49,7 +49,7 @@ from enum import Enum
 
 import numpy as np
 
-from kvpool.layout import HEADER_BYTES, Payload, memcpy, segments_of, valid_block
+from kvpool.layout import HEADER_BYTES, HOST_MEMORY, CallerMemory, Payload, valid_block
 from kvpool.stats import PoolStats
 from kvpool.transfer import TransferEngine, TransferError
 from metaserver.types import BlockLocation, NodeRecord
@@ -219,6 +219,7 @@ class ReadContext:
     peers: Peers                   # the sources the engine has made contact with
     stats: PoolStats
     timeout_s: float               # a read not finished by then fails
+    memory: CallerMemory = HOST_MEMORY  # how validated blocks reach their destinations
 
 
 class _State(Enum):
@@ -419,8 +420,7 @@ class ReadHandle:
         for i, slot in zip(batch.idx, batch.landing):
             loc, header = locations[i], landing.slot_addr(slot)
             if valid_block(header, header + HEADER_BYTES, n, loc.block_hash, loc.generation):
-                for addr, offset, length in segments_of(dests[i], n):
-                    memcpy(addr, header + HEADER_BYTES + offset, length)
+                self._ctx.memory.write(dests[i], header + HEADER_BYTES, n)
                 good.add(i)
                 stats.remote_hits += 1
                 stats.bytes_read += n

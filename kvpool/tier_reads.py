@@ -99,7 +99,7 @@ class TierReads:
         for i in idx:
             # Content is named by its hash: any copy that validates is the block asked for.
             h = locations[i].block_hash
-            if self._disk.read_into(h, dest_addrs[i]):
+            if self._disk.read_into(h, dest_addrs[i], self._reads.memory):
                 ok.add(i)
                 self._put_back(h, dest_addrs[i])
         self._stats.bytes_read += len(ok) * n

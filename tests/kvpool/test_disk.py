@@ -256,9 +256,9 @@ def test_a_disk_read_runs_off_the_callers_thread_and_wakes_it(pool: NodePool) ->
     readers: list[str] = []
     read = pool.disk.read_into  # type: ignore[union-attr]
 
-    def spy(h, d):
+    def spy(h, d, memory):
         readers.append(threading.current_thread().name)
-        return read(h, d)
+        return read(h, d, memory)
 
     pool.disk.read_into = spy  # type: ignore[union-attr,method-assign]
     handle = pool.get(locs, {}, [dest.ctypes.data + i * BB for i in range(3)], on_progress=woken.set)
