@@ -79,6 +79,7 @@ class Saver:
         self._copying: int | None = None   # block id being copied now
         self._stop = False
         self._staging: Staging | None = None
+        self._staged: _Save | None = None  # with staging: the save the copier has taken
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
@@ -119,9 +120,10 @@ class Saver:
             return
         with self._cond:
             if self._staging is not None:
-                # Staged saves read the block on the device, already queued: the forward pass waits
-                # for them there. The copy in progress reads its staging slot, not the block.
-                for event in {id(s.event): s.event for s in self._queue if s.block_id in ids and s.event is not None}.values():
+                # Staged saves read the block on the device, already queued there: the forward pass
+                # waits for them on the device (the save being put now too: its copy may not be done).
+                saves = [*self._queue, *([self._staged] if self._staged is not None else [])]
+                for event in {id(s.event): s.event for s in saves if s.block_id in ids and s.event is not None}.values():
                     self._staging.order_before_writes(event)
                 return
             if self._queue:
@@ -163,6 +165,7 @@ class Saver:
                     return
                 save = self._queue.popleft()
                 self._copying = save.block_id if save.then is None else None
+                self._staged = save if save.event is not None else None
             if save.then is not None:
                 try:
                     save.then()
@@ -183,5 +186,6 @@ class Saver:
                     self._staging.release(save.payload)
             with self._cond:
                 self._copying = None
+                self._staged = None
                 self.stats.saves_copied += bool(new)
                 self._cond.notify_all()

@@ -8,7 +8,8 @@
 # (default /tmp/kvpool-device, kept between calls on one machine), so the two parts can come
 # in two calls; once both are there the model, the transfer engine, etcd and the wheels are
 # unpacked under $STAGE and used. Without a bundle it uses this checkout's environment
-# (.venv where it exists). Without a GPU every step says it skipped and why.
+# (.venv where it exists; NO_BUNDLE=1 ignores a bundle). Without a GPU every step says it
+# skipped and why; `--device cpu --quick` runs them on CPU (a check of the script itself).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-runs/device-check}
@@ -19,7 +20,9 @@ PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 log() { echo "device_check.sh: $*"; }
 
-if [ -d .devcarry ]; then
+if [ "${NO_BUNDLE:-0}" = 1 ]; then
+    STAGE=/nonexistent
+elif [ -d .devcarry ]; then
     mkdir -p "$STAGE"
     for part in a b; do
         [ -d ".devcarry/$part" ] && cp -r ".devcarry/$part/." "$STAGE/" && log "bundle part $part copied to $STAGE"

@@ -137,3 +137,59 @@ def test_a_full_queue_drops_saves_and_never_blocks_the_host(pools: tuple[NodePoo
     finally:
         host.release.set()
         host.saver.close()
+
+
+class HostStaging:
+    """The staging contract of `connector.device_memory.CudaStaging` in host memory: `stage`
+    copies at once into a slot, its "event" completes when the test lets it (a slow
+    device-to-host copy), and the fence's device-side waits are recorded."""
+
+    def __init__(self, slots: int) -> None:
+        self.buf = np.zeros((slots, BB), dtype=np.uint8)
+        self.free = list(range(slots))
+        self.done = threading.Event()
+        self.done.set()
+        self.ordered: list[threading.Event] = []
+
+    def stage(self, payloads):  # noqa: ANN001, ANN201
+        take = [self.free.pop() for _ in payloads[:len(self.free)]]
+        for payload, slot in zip(payloads, take):
+            self.buf[slot] = np.frombuffer((np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * BB)
+                                                                  .from_address(payload))), dtype=np.uint8)
+        return [self.buf[s].ctypes.data for s in take], (self.done if take else None)
+
+    def wait(self, event: threading.Event) -> None:
+        assert event.wait(30)
+
+    def order_before_writes(self, event: threading.Event) -> None:
+        self.ordered.append(event)
+
+    def release(self, addr: int) -> None:
+        self.free.append((addr - self.buf.ctypes.data) // BB)
+
+
+def test_staged_saves_keep_a_reused_blocks_bytes_and_the_fence_orders_the_device_instead(
+        pools: tuple[NodePool, NodePool]) -> None:
+    a, b = pools
+    host = Host(a)
+    staging = HostStaging(slots=3)
+    host.saver.use_staging(staging)
+    try:
+        computed = [host.compute(i, seed=20 + i) for i in range(BLOCKS)]
+        staging.done.clear()                                      # the device-to-host copies are slow
+        for i in range(BLOCKS):                                   # 3 slots: the 4th save is dropped
+            host.save(i, block_hash("g", i))
+        st = host.saver.stats
+        assert (st.saves_queued, st.saves_dropped_behind) == (3, 1) and staging.free == []
+        host.compute(0, seed=99)                                  # the next step writes block 0 again
+        assert staging.ordered == [staging.done]                  # the device waits; nothing dropped
+        assert st.saves_dropped_reused == 0 and st.fence_waits == 0
+        staging.done.set()
+        assert host.saver.drain(10)
+        a.flush_publishes()
+        assert read_back(b, block_hash("g", 0)) == computed[0]    # the bytes staged after its step
+        assert [read_back(b, block_hash("g", i)) == computed[i] for i in (1, 2)] == [True, True]
+        assert block_hash("g", 3) not in a and sorted(staging.free) == [0, 1, 2]
+    finally:
+        staging.done.set()
+        host.saver.close()
