@@ -27,6 +27,7 @@ slots are handed out under a lock.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 
 from kvpool.layout import CallerMemory, Payload, memcpy, segments_of, view
 
+log = logging.getLogger(__name__)
 
 def host_bytes(addr: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over `nbytes` of host memory at `addr` (no copy; the caller keeps it alive)."""
@@ -52,6 +54,27 @@ class CudaMemory(CallerMemory):
         self._starts = [start for start, _ in regions]
         self._bytes = [u8 for _, u8 in regions]
         self._local = threading.local()
+        self._pinned: list[int] = []
+
+    def pin(self, regions: Sequence[tuple[int, int]]) -> int:
+        """Page-lock host memory that copies come from or go to (the pool's slots and read
+        buffer), so those copies run as DMA without a bounce; best effort (a region that cannot
+        be pinned is copied pageable). Returns the bytes pinned; `unpin` before freeing them."""
+        pinned = 0
+        for addr, nbytes in regions:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+            except Exception as err:  # noqa: BLE001 - pageable copies still work
+                log.warning("could not pin %d bytes of host memory for copies to %s: %s", nbytes, self.device, err)
+                continue
+            self._pinned.append(addr)
+            pinned += nbytes
+        return pinned
+
+    def unpin(self) -> None:
+        for addr in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        self._pinned.clear()
 
     def stream(self) -> torch.cuda.Stream:
         """This thread's copy stream."""

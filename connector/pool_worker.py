@@ -87,6 +87,7 @@ class PoolWorker:
         self.pool: NodePool | None = pool
         self._saver = Saver(pool.put, block_bytes, settings.save_queue_blocks) if settings.async_saves else None
         self._layout: CacheLayout | None = None
+        self._device_memory: Any = None   # connector.device_memory.CudaMemory for a cache on a GPU
         self._loads: dict[str, _Load] = {}
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
@@ -108,12 +109,13 @@ class PoolWorker:
         if tensors and getattr(tensors[0], "is_cuda", False):
             from connector.device_memory import CudaMemory, CudaStaging  # torch, on CUDA hosts only
 
-            memory = CudaMemory(tensors)
+            memory = self._device_memory = CudaMemory(tensors)
+            pinned = memory.pin(self.pool.host_regions())
             self.pool.use_caller_memory(memory)
             if self._saver is not None:
                 self._saver.use_staging(CudaStaging(memory, self.block_bytes, self.settings.save_queue_blocks))
-            log.info("kvpool: the KV cache is on %s: loads copied host-to-device, saves staged on a copy stream",
-                     memory.device)
+            log.info("kvpool: the KV cache is on %s: loads copied host-to-device (%d MiB of the pool pinned), "
+                     "saves staged on a copy stream", memory.device, pinned >> 20)
 
     # ---- loads ----------------------------------------------------------------------
 
@@ -291,6 +293,8 @@ class PoolWorker:
         for load in self._loads.values():
             if load.handle is not None:
                 load.handle.wait()
+        if self._device_memory is not None:  # before the pool frees the pinned memory
+            self._device_memory.unpin()
         self.pool.close()
         self.pool = None
         self._client.close()

@@ -187,6 +187,14 @@ class NodePool:
         self._reads.landing = self._reads.peers.landing = new
         self.te.unregister(old.addr)
 
+    def host_regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the host memory blocks are copied out of into a caller's memory:
+        the DRAM slots and the read buffer (a GPU host pins them: `connector.device_memory`).
+        After `size_read_buffer`."""
+        landing = self._reads.landing
+        return [(self.buffer_address, self.capacity_bytes),
+                (landing.addr, landing.num_slots * landing.slot_bytes)]
+
     def register_memory(self, addr: int, nbytes: int) -> None:
         """Register caller memory (the engine's KV cache) as a read destination."""
         self.te.register(addr, nbytes)

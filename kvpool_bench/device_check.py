@@ -246,10 +246,15 @@ def step_pool(args: argparse.Namespace) -> dict:
                          "equal": got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"],
                          "remote_request_s": ttft_s})
         stats = {n.node_id: n.stats() for n in cluster.nodes}
+    # Each node's own word for which copy path its connector took (connector.pool_worker).
+    paths = {log.stem: [line.split("kvpool: ", 1)[-1].strip() for line in log.read_text(errors="replace").splitlines()
+                        if "the KV cache is on" in line] for log in sorted(run_dir.glob("node-*.log"))}
     shutil.rmtree(run_dir, ignore_errors=True)
-    result = {"requests": rows, "node_stats": stats}
+    result = {"requests": rows, "node_stats": stats, "copy_paths": paths}
     if not all(r["equal"] for r in rows) or not any(r["remote_cached_tokens"] for r in rows):
         raise AssertionError(f"remote hits on CUDA: {rows}")
+    if DEVICE == "cuda" and not all(paths.values()):
+        raise AssertionError(f"a node did not take the CUDA copy path: {paths}")
     return result
 
 
