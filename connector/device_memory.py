@@ -98,27 +98,26 @@ class CudaMemory(CallerMemory):
         return u8[off:off + nbytes]
 
     def write(self, dest: Payload, src: int, nbytes: int) -> None:
-        s = self.stream()
-        s.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(s):
-            for addr, offset, length in segments_of(dest, nbytes):
-                d = self.device_bytes(addr, length)
-                if d is None:
-                    memcpy(addr, src + offset, length)
-                else:
-                    d.copy_(host_bytes(src + offset, length), non_blocking=True)
-        s.synchronize()
+        self._copy(dest, src, nbytes, to_caller=True)
 
     def read(self, dst: int, src: Payload, nbytes: int) -> None:
+        self._copy(src, dst, nbytes, to_caller=False)
+
+    def _copy(self, payload: Payload, host: int, nbytes: int, to_caller: bool) -> None:
+        """Between the caller's `payload` (device addresses, or host ones outside the cache) and
+        host memory at `host`, in the direction `to_caller` says; complete on return."""
         s = self.stream()
         s.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(s):
-            for addr, offset, length in segments_of(src, nbytes):
+            for addr, offset, length in segments_of(payload, nbytes):
                 d = self.device_bytes(addr, length)
+                h = host + offset
                 if d is None:
-                    memcpy(dst + offset, addr, length)
+                    memcpy(addr, h, length) if to_caller else memcpy(h, addr, length)
+                elif to_caller:
+                    d.copy_(host_bytes(h, length), non_blocking=True)
                 else:
-                    host_bytes(dst + offset, length).copy_(d, non_blocking=True)
+                    host_bytes(h, length).copy_(d, non_blocking=True)
         s.synchronize()
 
 
