@@ -7,7 +7,9 @@ this node holds through batched Publish calls (`kvpool.publisher`).
 
 Invariants:
 - A slot is unpublished before it is reused: an evicted slot leaves the LRU at once, is
-  unpublished (outside the lock) and only then freed.
+  unpublished (outside the lock) and only then freed. The Unpublish is sent only after any
+  Publish of the same block that the publisher already found current was answered
+  (`Publisher.wait_sent`), so it cannot overtake that Publish and leave the block indexed.
 - Every read is validated against (hash, generation, checksum); a block the source evicted
   or overwrote meanwhile is reported failed, never handed on as good.
 
@@ -319,6 +321,9 @@ class NodePool:
     def _unpublish(self, hashes: list[BlockHash], why: str) -> None:
         if self.client is None or self._unregistered:
             return
+        publisher = self._publisher
+        if publisher is not None:  # not before a Publish of these blocks that passed its check
+            publisher.wait_sent(hashes)
         # In batches the metaserver takes (a disk tier that turns off drops all it held at once).
         for i in range(0, len(hashes), UNPUBLISH_BATCH):
             part = hashes[i:i + UNPUBLISH_BATCH]

@@ -15,6 +15,7 @@ class PoolStats:
     quarantined_slots: int = 0  # read-buffer slots lost to failed transfers (see kvpool.reader)
     published: int = 0        # records acknowledged by the metaserver
     unpublished: int = 0
+    unpublish_waits: int = 0  # unpublishes held until a publish of the same blocks was answered
     # The disk tier (kvpool.disk); all stay 0 / False without one.
     disk_enabled: bool = False  # the tier is on (turns False after an I/O error)
     disk_blocks: int = 0        # blocks held on disk now

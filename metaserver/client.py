@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# A local subchannel pool: a channel must not inherit another channel's reconnect backoff to
+# the same address. Backoff between connection attempts: 100 ms, growing to 1 s.
+_CHANNEL_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
+# A replica's channel is replaced by a fresh one at most this often (see _Replica.reset).
+_RESET_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,79 @@ def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse, sparse:
     return QueryResult(tuple(located[:resp.num_matched]), by_node, tuple(held))
 
 
+class _Replica:
+    """One endpoint's channel. A channel whose connection failed waits out its reconnect
+    backoff (up to a second) before it tries again, and until then fails every call at once,
+    also after the replica is back: a node's first lookup after a metaserver restart failed
+    so, although every replica was serving. gRPC's remedy (grpc_channel_reset_connect_backoff)
+    is not in its Python API, so a call that fails UNAVAILABLE on a channel in
+    TRANSIENT_FAILURE replaces the channel by a fresh one (which connects at once) and is
+    tried again on it. While the replica is really down the fresh channel's connection is
+    refused at once, so calls still fail fast; replacements are at most one per
+    _RESET_INTERVAL_S. A replaced channel is closed when the last call on it returns."""
+
+    def __init__(self, endpoint: str, security: ClientSecurity) -> None:
+        self.endpoint = endpoint
+        self._security = security
+        self._lock = threading.Lock()
+        self._calls: dict[grpc.Channel, int] = {}  # calls in flight per channel (current or replaced)
+        self._states: dict[grpc.Channel, grpc.ChannelConnectivity] = {}
+        self._closed = False
+        self._open()
+
+    def _open(self) -> None:
+        """A fresh channel becomes current (under the lock, or in __init__)."""
+        ch = self._security.channel(self.endpoint, _CHANNEL_OPTIONS)
+        self.channel, self.stub, self._opened = ch, pb_grpc.MetaServiceStub(ch), time.monotonic()
+        ch.subscribe(lambda state: self._on_state(ch, state))
+
+    def _on_state(self, ch: grpc.Channel, state: grpc.ChannelConnectivity) -> None:
+        with self._lock:
+            if ch is self.channel or ch in self._calls:
+                self._states[ch] = state
+
+    def acquire(self) -> tuple[grpc.Channel, pb_grpc.MetaServiceStub]:
+        """The current channel and its stub for one call; `release` the channel after it."""
+        with self._lock:
+            ch = self.channel
+            self._calls[ch] = self._calls.get(ch, 0) + 1
+            return ch, self.stub
+
+    def release(self, ch: grpc.Channel) -> None:
+        with self._lock:
+            left = self._calls[ch] - 1
+            if left:
+                self._calls[ch] = left
+                return
+            del self._calls[ch]
+            if ch is self.channel and not self._closed:
+                return
+            self._states.pop(ch, None)
+        ch.close()  # replaced, and no call on it any more
+
+    def reset(self, ch: grpc.Channel) -> bool:
+        """After a call on `ch` failed UNAVAILABLE or past its deadline: whether to try again on
+        a fresh channel (`ch` was in reconnect backoff, or already replaced meanwhile)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if ch is not self.channel:
+                return True
+            if (self._states.get(ch) != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+                    or time.monotonic() - self._opened < _RESET_INTERVAL_S):
+                return False
+            self._open()  # `ch` is closed by the release of its last call (the caller's)
+        log.debug("metaserver client: %s was in reconnect backoff; connecting afresh", self.endpoint)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle = self.channel not in self._calls
+        if idle:
+            self.channel.close()
+
+
 class MetaClient:
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = 5.0,
                  security: ClientSecurity | None = None) -> None:
@@ -85,21 +165,16 @@ class MetaClient:
         if not self.endpoints:
             raise ValueError("no metaserver endpoint given (HOST:PORT[,HOST:PORT])")
         self.timeout_s = timeout_s
-        # A local subchannel pool: a channel must not inherit another channel's reconnect
-        # backoff to the same address (it would fail fast for up to a second after a restart).
-        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.use_local_subchannel_pool", 1)]
         self.security = security or ClientSecurity()
-        self._channels = [self.security.channel(ep, options) for ep in self.endpoints]
-        self._stubs = [pb_grpc.MetaServiceStub(ch) for ch in self._channels]
+        self._replicas = [_Replica(ep, self.security) for ep in self.endpoints]
         self._metadata = self.security.call_metadata()
         self._current = 0
         self._lock = threading.Lock()
         self._sessions: dict[str, str] = {}  # node id -> session token of its registration
 
     def close(self) -> None:
-        for ch in self._channels:
-            ch.close()
+        for r in self._replicas:
+            r.close()
 
     def __enter__(self) -> MetaClient:
         return self
@@ -111,31 +186,41 @@ class MetaClient:
              node_id: str | None = None) -> T:  # type: ignore[type-var]
         """Call `method` within one deadline. A replica that is unreachable is skipped for the
         next endpoint; when none answers, rounds repeat (briefly spaced) until the deadline.
-        With `node_id`, the session token of that node's registration goes along."""
+        A replica whose channel was waiting out its reconnect backoff is tried again at once on
+        a fresh channel (`_Replica`). With `node_id`, the session token of that node's
+        registration goes along."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         with self._lock:
             start = self._current
             session = self._sessions.get(node_id, "") if node_id is not None else ""
         metadata = (*self._metadata, (SESSION_KEY, session)) if session else self._metadata
         last: grpc.RpcError | None = None
+        n = len(self._replicas)
         while True:
-            for i in range(len(self._stubs)):
-                idx = (start + i) % len(self._stubs)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    resp = getattr(self._stubs[idx], method)(request, timeout=remaining, metadata=metadata)
-                except grpc.RpcError as err:
-                    if err.code() not in _FAILOVER_CODES:
-                        raise from_rpc_error(err) from None
-                    last = err
-                    continue
-                if idx != start:
-                    with self._lock:
-                        self._current = idx
-                    log.info("metaserver client: now using %s", self.endpoints[idx])
-                return resp
+            for i in range(n):
+                idx = (start + i) % n
+                replica = self._replicas[idx]
+                for fresh in (False, True):  # once more on a fresh channel if it was backing off
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    ch, stub = replica.acquire()
+                    try:
+                        resp = getattr(stub, method)(request, timeout=remaining, metadata=metadata)
+                    except grpc.RpcError as err:
+                        if err.code() not in _FAILOVER_CODES:
+                            raise from_rpc_error(err) from None
+                        last = err
+                        if not fresh and replica.reset(ch):
+                            continue
+                        break
+                    finally:
+                        replica.release(ch)
+                    if idx != start:
+                        with self._lock:
+                            self._current = idx
+                        log.info("metaserver client: now using %s", self.endpoints[idx])
+                    return resp
             if time.monotonic() + 0.05 >= deadline:
                 break
             time.sleep(0.05)
@@ -213,7 +298,7 @@ class MetaClient:
         """Open a WatchIndex stream from endpoint `replica` (modulo their number): iterate it
         for `pb.IndexEvent`s, `.cancel()` it to stop; iterating raises grpc.RpcError when the
         stream breaks (metaserver.view resumes it)."""
-        stub = self._stubs[replica % len(self._stubs)]
+        stub = self._replicas[replica % len(self._replicas)].stub
         return stub.WatchIndex(pb.WatchIndexRequest(namespace=namespace, epoch=epoch, after_seq=after_seq,
                                                     watcher_node_id=watcher_node_id), metadata=self._metadata)
 
