@@ -7,6 +7,11 @@ Prints the hit rate per tier beside the infinite / LRU / Belady oracles over the
 capacity (all KV caches and pools together), TTFT and TPOT p50 / p99, and the bytes the
 pools moved between nodes; `--sweep KEY=V1,V2,...` (nodes, pool, kv-cache, policy) prints
 one row per value. Bad input: one line on stderr, exit code 2.
+
+    kvpool plan calibrate --out my-node.json [--device cpu|cuda] [--threads N] ...
+
+measures a model profile on this machine with the real engine (`kvpool_plan.calibrate`) for
+`--model-profile`.
 """
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ SWEEP_KEYS = ("nodes", "pool", "kv-cache", "policy")
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="simulate the pool at cluster scale on a trace (issue 43)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    p.add_argument("action", nargs="?", choices=["calibrate"],
+                   help="calibrate: measure a model profile with the real engine (below); none: simulate")
+    p.add_argument("--trace", help="Mooncake-format JSONL trace (to simulate)")
     p.add_argument("--nodes", default="2", help="simulated nodes (default 2)")
     p.add_argument("--kv-cache", default="96MiB", help="each node's engine KV cache, bytes (e.g. 96MiB)")
     p.add_argument("--pool", default="1GiB", help="each node's pool DRAM, bytes (0: pool off)")
@@ -51,6 +58,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--sweep", default="", help="KEY=V1,V2,...: one run per value (nodes, pool, kv-cache, policy)")
     p.add_argument("--no-oracles", action="store_true", help="skip the LRU / Belady oracles (faster)")
     p.add_argument("--json", default="", help="write the report (every run) to this file")
+    c = p.add_argument_group("calibrate (kvpool_plan.calibrate)")
+    c.add_argument("--out", default="", help="the profile JSON to write")
+    c.add_argument("--model", default="smollm2-135m", help="the model the engine serves")
+    c.add_argument("--device", default="cpu", help="cpu or cuda")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--threads", default="0", help="torch threads (0: torch's default)")
+    c.add_argument("--prefill-lengths", default="128,512,2048", help="prompt lengths of the prefill rates")
+    c.add_argument("--decode-batches", default="1,8,32", help="batch sizes of the decode rates")
+    c.add_argument("--decode-steps", default="16", help="tokens decoded per decode measurement")
+    c.add_argument("--repeats", default="2", help="each figure is the best of this many runs")
+    c.add_argument("--link-bytes-per-s", default="1e9", help="the pool link's rate (not measured here)")
+    c.add_argument("--link-latency-s", default="0.00025", help="the pool link's fixed cost of a pull")
 
 
 class BadInput(ValueError):
@@ -147,7 +166,56 @@ def table(rows: list[dict], key: str) -> str:
     return "\n".join(out)
 
 
+def _ints(name: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise BadInput(f"{name} must be integers >= 1, got {text!r}")
+    return values
+
+
+def _float(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInput(f"{name} must be a number, got {text!r}") from None
+    if not value > 0:
+        raise BadInput(f"{name} must be > 0, got {text}")
+    return value
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from kvpool_plan.calibrate import calibrate, write_profile
+    from kvpool_plan.profile import load_profile
+
+    if not args.out:
+        raise BadInput("calibrate needs --out FILE (the profile to write)")
+    if args.device not in ("cpu", "cuda"):
+        raise BadInput(f"--device must be cpu or cuda, got {args.device!r}")
+    kw = dict(model=args.model, device=args.device, dtype=args.dtype, threads=_int("--threads", args.threads),
+              prefill_lengths=_ints("--prefill-lengths", args.prefill_lengths),
+              decode_batches=_ints("--decode-batches", args.decode_batches),
+              decode_steps=_int("--decode-steps", args.decode_steps, 1), repeats=_int("--repeats", args.repeats, 1),
+              link_bytes_per_s=_float("--link-bytes-per-s", args.link_bytes_per_s),
+              link_latency_s=_float("--link-latency-s", args.link_latency_s))
+    profile = calibrate(**kw)  # type: ignore[arg-type]
+    write_profile(args.out, profile)
+    load_profile(args.out)  # what `--model-profile` will read: valid
+    print(profile["_what"])
+    for key in ("block_size", "kv_bytes_per_token", "prefill_tok_per_s", "prefill_overhead_s", "decode_tok_per_s",
+                "local_copy_bytes_per_s", "link_bytes_per_s", "link_latency_s"):
+        print(f"  {key:24s} {profile[key]}")
+    print(f"wrote {args.out}: kvpool plan --model-profile {args.out} --trace ...")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        return run_calibrate(args)
+    if not args.trace:
+        raise BadInput("--trace FILE is required (or `kvpool plan calibrate --out FILE`)")
     configs = _configs(args)
     tpi = _int("--tokens-per-hash-id", args.tokens_per_hash_id, 1)
     max_prompt = _int("--max-prompt-tokens", args.max_prompt_tokens)

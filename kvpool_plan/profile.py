@@ -14,10 +14,10 @@ A small JSON file (keys below; any key starting with `_` is a comment, e.g. `_so
   latency + B / bandwidth (the reader's link).
 - `local_copy_bytes_per_s`: a load from the node's own pool (a memcpy).
 
-`kvpool plan calibrate` (measure these on this machine with the real engine) is not
-written yet: the shipped profiles' figures are read from docs/BENCHMARKS.md and its
-history docs/journal/benchmarks-history.md (this machine) and from published figures (a GPU
-deployment), each named in the file.
+`kvpool plan calibrate` measures these on a machine with the real engine
+(`kvpool_plan.calibrate`). The shipped profiles' figures are read from docs/BENCHMARKS.md and
+its history docs/journal/benchmarks-history.md (this machine) and from published figures (a
+GPU deployment), each named in the file.
 """
 from __future__ import annotations
 
