@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import random
 import statistics
 import sys
@@ -586,6 +587,17 @@ def print_rounds(per_round: list[dict[str, dict]]) -> None:
             print(f"median of the rounds' ratios, {name} / {ref}: TPOT mean {tpot:.3f}x, TTFT p50 {ttft:.3f}x")
 
 
+def _outgrown(s: dict) -> bool:
+    """The workload's KV outgrew the caches' and DRAM pools' blocks before its last request
+    (`dram_overflow_request` is the request count when it never did)."""
+    return "dram_overflow_request" in s and s["dram_overflow_request"] < s["requests"]
+
+
+def _after_overflow(s: dict) -> bool:
+    """Requests were answered after the KV outgrew DRAM (else TTFT before / after is nan)."""
+    return _outgrown(s) and not math.isnan(s["ttft_after_over_before_overflow"])
+
+
 def print_table(summaries: dict[str, dict]) -> None:
     rows = [("requests (errors)", lambda s: f"{s['requests']} ({s['errors']})"),
             ("prompt tokens", lambda s: f"{s['prompt_tokens']:,}"),
@@ -603,11 +615,12 @@ def print_table(summaries: dict[str, dict]) -> None:
             ("hit rate / LRU / Belady", lambda s: f"{s['hit_rate_of_lru']:.1%} / {s['hit_rate_of_belady']:.1%}"
              if "hit_rate_of_lru" in s else "-"),
             ("TTFT p50 / p90 / p99 (s)", lambda s: f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.2f}"),
-            ("DRAM outgrown after req.", lambda s: f"{s['dram_overflow_request']}" if "dram_overflow_request" in s else "-"),
+            ("DRAM outgrown after req.", lambda s: "-" if "dram_overflow_request" not in s
+             else f"{s['dram_overflow_request']}" if _outgrown(s) else "never"),
             ("TTFT p50 before / after", lambda s: f"{s['ttft_p50_before_overflow_s']:.2f} / "
-             f"{s['ttft_p50_after_overflow_s']:.2f} s" if "dram_overflow_request" in s else "-"),
+             f"{s['ttft_p50_after_overflow_s']:.2f} s" if _after_overflow(s) else "-"),
             ("TTFT p50 after / before", lambda s: f"{s['ttft_after_over_before_overflow']:.2f}x"
-             if "dram_overflow_request" in s else "-"),
+             if _after_overflow(s) else "-"),
             ("TPOT mean (ms)", lambda s: f"{1e3 * s['tpot_mean_s']:.0f}"),
             ("requests/s", lambda s: f"{s['requests_per_s']:.2f}"),
             ("output tokens/s", lambda s: f"{s['output_tokens_per_s']:.1f}"),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_bench.cross_node import Result, dram_overflow, hit_windows, route
+from kvpool_bench.cross_node import Result, dram_overflow, hit_windows, print_table, route
 from kvpool_bench.report import pct
 from kvpool_bench.workloads import (BenchRequest, Conversations, distinct_blocks, fill_index, hash_id_oracle, load_trace,
                                     mooncake_trace, multi_turn, oracle_hits, prefix_oracle)
@@ -213,6 +213,24 @@ def test_dram_overflow_splits_ttft_where_the_computed_kv_outgrows_dram() -> None
     never = dram_overflow(results, list(prompts), 16, 100)
     assert never["dram_overflow_request"] == 5 and never["ttft_after_over_before_overflow"] != \
         never["ttft_after_over_before_overflow"]                        # nan: nothing after
+
+
+
+def test_the_table_says_never_when_the_kv_never_outgrew_dram(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make demo`'s table: a workload that fits in DRAM prints "never" and "-", not nan."""
+    base = {"requests": 5, "errors": 0, "prompt_tokens": 100, "local_hit_tokens": 0, "remote_hit_tokens": 0,
+            "recomputed_tokens": 100, "hit_rate": 0.0, "oracle_hit_rate": 0.5, "hit_rate_of_oracle": 0.0,
+            "ttft_p50_s": 1.0, "ttft_p90_s": 1.0, "ttft_p99_s": 1.0, "tpot_mean_s": 0.05, "requests_per_s": 1.0,
+            "output_tokens_per_s": 1.0, "bytes_transferred": 0, "wall_s": 5.0}
+    prompts = [tuple(range(i * 100, i * 100 + 32)) for i in range(5)]
+    results = [Result(f"r{i}", 0, 32, 1, 0, 0, 1.0, 1.0) for i in range(5)]
+    print_table({"pool-on": {**base, **dram_overflow(results, list(prompts), 16, 100)},
+                 "pool-off": {**base, **dram_overflow(results, list(prompts), 16, 5)}})
+    rows = {line[:26].strip(): line[26:].split() for line in capsys.readouterr().out.splitlines() if line[:26].strip()}
+    assert rows["DRAM outgrown after req."] == ["never", "2"]
+    assert rows["TTFT p50 before / after"] == ["-", "1.00", "/", "1.00", "s"]
+    assert rows["TTFT p50 after / before"] == ["-", "1.00x"]
+    assert not any("nan" in cell for cells in rows.values() for cell in cells)
 
 
 def test_hit_windows_report_each_windows_ttft_p50() -> None:
