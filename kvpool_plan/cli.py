@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--pool", default="1GiB", help="each node's pool DRAM, bytes (0: pool off)")
     p.add_argument("--policy", default="round-robin", help=f"routing: {', '.join(POLICIES)}")
     p.add_argument("--model-profile", default="cpu-smollm2-135m",
-                   help="profile JSON file, or a shipped one: cpu-smollm2-135m, h100-llama3.1-8b")
+                   help="profile JSON file, or a shipped one: cpu-smollm2-135m, h100-llama3.1-8b, "
+                        "h200-smollm2-135m (measured by `kvpool plan calibrate`)")
     p.add_argument("--block-size", default="0",
                    help="tokens per simulated block (default: the profile's, the engine's); coarser blocks "
                         "replay faster (e.g. 512 = one block per hash id of a full-size trace), hits counted at "
