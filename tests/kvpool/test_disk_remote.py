@@ -30,7 +30,10 @@ def pools(metaserver: MetaserverProcess, tmp_path: Path) -> Iterator[tuple[NodeP
     a = NodePool(PoolConfig("A", DRAM_BLOCKS * slot_bytes_for(BB), BB, NS, metaserver.address, evict_batch=1,
                             disk_dir=str(tmp_path / "disk-a"), disk_size_bytes=32 * disk_slot_bytes(BB)),
                  MetaClient(metaserver.address))
-    b = NodePool(PoolConfig("B", DRAM_BLOCKS * slot_bytes_for(BB), BB, NS, metaserver.address, read_timeout_s=4),
+    # B's stage requests wait half its read timeout: long enough for a loaded 2-core machine to
+    # stage 4 blocks (a test that needs a holder's answer in 2 s is a test of the machine's
+    # speed), short enough that the stuck-holder test below waits it out quickly.
+    b = NodePool(PoolConfig("B", DRAM_BLOCKS * slot_bytes_for(BB), BB, NS, metaserver.address, read_timeout_s=12),
                  MetaClient(metaserver.address))
     client = MetaClient(metaserver.address)
     a.start()
