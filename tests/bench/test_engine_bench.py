@@ -17,11 +17,16 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
     out = tmp_path / "engine.json"
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine", "--dtype",
                         "float32", "--requests", "3", "--min-prompt", "40", "--max-prompt", "90",
-                        "--output-tokens", "5", "--hf-batch", "2", "--hf-bf16-prefill-prompts", "2", "--out",
-                        str(out)], capture_output=True, text=True, timeout=600, check=False)
+                        "--output-tokens", "5", "--hf-batch", "2", "--hf-bf16-prefill-prompts", "2", "--ops",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     ours, hf = rep["kvpool"], rep["transformers"]
+    # --ops: the throughput run's time by operation, inside its wall time.
+    ops = rep["ops_seconds"]
+    assert {"linear qkv", "linear down", "attention (with prefill)", "attention (decode rows)"} <= set(ops)
+    assert all(v >= 0 for v in ops.values()) and sum(ops.values()) <= ours["wall_s"]
+    assert "where the throughput run's" in r.stdout and "outside the forward passes" in r.stdout
     assert rep["requests"] == 3 and rep["output_tokens_each"] == 5 and rep["bf16_prefill_prompts"] == 2
     for key in ("output_tok_per_s", "prefill_tok_per_s", "prefill_tok_per_s_same_prompts", "ttft_p50_s",
                 "ttft_p99_s", "tpot_p50_ms", "ttft_1024_cold_s", "ttft_1024_prefix_hit_s"):
