@@ -52,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="every Kth round, the source stalls (SIGSTOP) as B reads from it: a host that stops "
                         "answering for a while (swapping, starved, a long GC); 0 = never")
     p.add_argument("--stall-s", type=float, default=3.0, help="how long a stall lasts")
+    p.add_argument("--lookup-deadline-s", type=float, default=0.0,
+                   help="the nodes' lookup_deadline_s (0: the connector's default); a test raises it so that "
+                        "what is offered does not depend on the machine's speed")
     p.add_argument("--run-dir", default="runs/bench-vllm-reads")
 
 
@@ -83,6 +86,8 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
 
     model = export_model()
     extra = {"progress_timeout_s": progress_s, "transfer_timeout_s": transfer_s}
+    if args.lookup_deadline_s > 0:
+        extra["lookup_deadline_s"] = args.lookup_deadline_s
     out: dict = {"progress_timeout_s": progress_s, "transfer_timeout_s": transfer_s}
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
         a = VllmProcess(run / "A.log", model, "vllm-a", ms.address, cpus="0", pool_size=args.pool_size,

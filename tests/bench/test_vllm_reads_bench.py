@@ -22,9 +22,11 @@ def test_every_offered_block_loads_under_contention_and_stalls(tmp_path: Path) -
         [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "vllm-reads",
          "--configs", f"{defaults.progress_timeout_s}/{defaults.transfer_timeout_s}", "--rounds", "6",
          "--stall-every", "2", "--stall-s", "3", "--burners", "2", "--busy-clients", "1",
-         "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+         # A lookup past its deadline offers nothing (by design): 5 s keeps what is offered
+         # independent of how loaded the machine is (0.1 s offered 17 of 24 under two test runs).
+         "--lookup-deadline-s", "5", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     (result,) = json.loads((tmp_path / "result.json").read_text())
-    assert result["offered"] >= 6 * 4 - 4, result       # a lookup may miss its deadline once in a while
+    assert result["offered"] >= 6 * 4 - 4, result
     assert result["loaded"] == result["offered"] and result["failed"] == 0, result
     assert result["same_answers"] == result["rounds"] == 6, result

@@ -219,8 +219,13 @@ def start_node(ms: MetaserverProcess, node_id: str, blocks: int, block_bytes: in
 def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess) -> None:
     big = 1 << 20
     proc = start_node(metaserver, "src", 48, big)
-    # Bounds a busy 2-core machine does not outlive on a healthy 48 MiB read (1 s / 2 s failed
-    # it there), short enough that the frozen source's read fails in seconds.
+    # The healthy 48 MiB read runs under the default transfer bounds (a machine that is busy
+    # enough outlives any short one: 5 s of no progress failed a batch once under two heavy
+    # test runs); the frozen and killed sources are read by a second pool with short bounds,
+    # so that they fail in seconds (a frozen source fails whatever the machine's speed).
+    ok_cfg = PoolConfig("dst-ok", 4 * slot_bytes_for(big), big, NS, metaserver.address, read_timeout_s=60)
+    ok_pool = NodePool(ok_cfg, MetaClient(metaserver.address))
+    ok_pool.start()
     timeout = TransferConfig(transfer_timeout_s=10, progress_timeout_s=5)
     cfg = PoolConfig("dst", 4 * slot_bytes_for(big), big, NS, metaserver.address, transfer=timeout, read_timeout_s=15)
     pool = NodePool(cfg, MetaClient(metaserver.address))
@@ -229,13 +234,16 @@ def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess
         hashes = [block_hash("chain", i) for i in range(48)]
         dest = np.zeros(48 * big, dtype=np.uint8)
         pool.register_memory(dest.ctypes.data, dest.nbytes)
+        ok_pool.register_memory(dest.ctypes.data, dest.nbytes)
         with MetaClient(metaserver.address) as c:
             r = c.query_prefix(NS, hashes)
         assert r.num_matched == 48
         addrs = [dest.ctypes.data + i * big for i in range(48)]
-        res = pool.get(r.locations, r.nodes, addrs).wait(60)
+        res = ok_pool.get(r.locations, r.nodes, addrs).wait(120)
         assert res.failed == ()
         assert np.array_equal(dest[5 * big:6 * big], block_content(hashes[5], big))
+        # The short-bound pool makes contact with the source (one block) before it freezes.
+        assert pool.get(r.locations[:1], r.nodes, addrs[:1]).wait(60).failed == ()
 
         # Frozen source: the read fails within the configured bound instead of hanging.
         os.kill(proc.pid, signal.SIGSTOP)
@@ -259,6 +267,7 @@ def test_two_processes_and_source_killed_or_frozen(metaserver: MetaserverProcess
             proc.kill()
         proc.wait()
         pool.close()
+        ok_pool.close()
 
 
 @pytest.mark.slow
