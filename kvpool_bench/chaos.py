@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import signal
