@@ -279,6 +279,7 @@ class PoolWorker:
                        pool_remote_hit_blocks=ps.remote_hits,
                        pool_local_hit_blocks=ps.local_hits, pool_published=ps.published,
                        pool_unpublished=ps.unpublished, pool_blocks=len(pool), pool_slots=pool.num_slots,
+                       pool_held_blocks=pool.num_held(),
                        pool_disk_slots=pool.disk.num_slots if pool.disk is not None else 0,
                        pool_publishing=int(pool.publishing),
                        **{f"pool_{k}": int(v) for k, v in asdict(ps).items() if k.startswith("disk_")})

@@ -337,7 +337,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             return None
         now = self._worker.counters()
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if k.startswith(("connector_", "pool_"))
-                 and k not in ("pool_blocks", "pool_slots", "pool_publishing", "pool_disk_slots")}
+                 and k not in ("pool_blocks", "pool_slots", "pool_publishing", "pool_disk_slots",
+                                   "pool_held_blocks")}
         self._reported = now
         return KVPoolStats(data=delta) if any(delta.values()) else None
 

@@ -233,6 +233,11 @@ class NodePool:
             return ([self._record(s) for s in self._lru.values()]
                     + [self._disk_record(b) for b in on_disk if not self._in_dram(b.block_hash)])
 
+    def num_held(self) -> int:
+        """Blocks this node holds as the index should list them: in DRAM, or only on its disk
+        tier (what `kvpool bench soak` and `chaos` compare with the index)."""
+        return len(self._holdings())
+
     def _is_current(self, rec: BlockRecord) -> bool:
         if rec.medium == Medium.DISK:
             if self.disk is None or not self.disk.holds(rec.block_hash, rec.generation):

@@ -164,18 +164,21 @@ def soak(urls: list[str], requests, rate: float, seconds: float, seed: int) -> t
     return results, time.perf_counter() - t0
 
 
-def index_vs_holdings(cluster, timeout_s: float = 60.0) -> list[dict]:  # noqa: ANN001
-    """Per node: blocks its pool holds and blocks the index lists for it, once publishing is idle."""
+def index_vs_holdings(cluster, timeout_s: float = 60.0, address: str = "") -> list[dict]:  # noqa: ANN001
+    """Per node: blocks its pool holds (in DRAM, or only on its disk tier) and blocks the
+    index lists for it, once publishing is idle. `address`: the metaserver replica to ask
+    (default the cluster's metaserver)."""
     from metaserver.client import MetaClient
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(n.stats().get("pool_publishing", 0) for n in cluster.nodes):
         time.sleep(0.2)
     time.sleep(0.5)
-    with MetaClient(cluster.metaserver.address, timeout_s=5) as client:
+    with MetaClient(address or cluster.metaserver.address, timeout_s=5) as client:
         indexed = {rec.node_id: count for rec, count in client.list_nodes()}
-    return [{"node": n.node_id, "pool_blocks": int(n.stats().get("pool_blocks", 0)),
-             "index_blocks": int(indexed.get(n.node_id, 0))} for n in cluster.nodes]
+    held = [n.stats() for n in cluster.nodes]
+    return [{"node": n.node_id, "pool_blocks": int(s.get("pool_held_blocks", s.get("pool_blocks", 0))),
+             "index_blocks": int(indexed.get(n.node_id, 0))} for n, s in zip(cluster.nodes, held)]
 
 
 def summarize(results: list[Result], wall_s: float, rate: float, sustainable: float, samples: list[dict],

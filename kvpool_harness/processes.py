@@ -3,6 +3,8 @@ benchmarks, demo, `kvpool cluster`).
 
 Each process binds 127.0.0.1 only, logs to a file the caller owns, and is ended by PID.
 `EtcdProcess.restart()` keeps the data folder, so leases and keys survive as in production.
+`EtcdCluster`: three (or N) members of one etcd cluster (`--initial-cluster`), for faults
+that take a member or the quorum away (`kvpool bench chaos`).
 """
 from __future__ import annotations
 
@@ -35,19 +37,36 @@ class EtcdProcess:
     """One etcd member on 127.0.0.1; use as a context manager or call start()/stop()."""
 
     def __init__(self, data_dir: Path, client_port: int | None = None, peer_port: int | None = None,
-                 fast: bool = True) -> None:
+                 fast: bool = True, name: str = "kvpool-etcd", initial_cluster: str = "") -> None:
+        """`name` and `initial_cluster` (NAME=PEER_URL,...): a member of a multi-member
+        cluster (`EtcdCluster`); by default a cluster of one."""
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.fast = fast  # short heartbeat/election: healthy in ~0.1 s (tests)
+        self.name = name
+        self.initial_cluster = initial_cluster
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_suffix(".log")
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self, timeout_s: float = 15.0) -> EtcdProcess:
+        self.launch()
+        self._wait_healthy(timeout_s)
+        assert self.proc is not None
+        log.info("etcd pid %d serving on %s", self.proc.pid, self.endpoint)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting (a member of a cluster is healthy only once a
+        quorum of its peers runs too); `wait_healthy` waits."""
         exe = shutil.which("etcd")
         if exe is None:
             raise RuntimeError("etcd not found; run `make setup` (installs Debian etcd-server)")
@@ -64,9 +83,9 @@ class EtcdProcess:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def wait_healthy(self, timeout_s: float = 15.0) -> None:
         self._wait_healthy(timeout_s)
-        log.info("etcd pid %d serving on %s", self.proc.pid, self.endpoint)
-        return self
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -106,6 +125,47 @@ class EtcdProcess:
         self.start()
 
     def __enter__(self) -> EtcdProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """`size` etcd members of one cluster on 127.0.0.1 (`--initial-cluster`), each with its
+    own data folder RUN/etcd-<i> and free ports; a member started again (`members[i].start()`)
+    keeps its folder and ports, so it rejoins as itself. `fast=False`: etcd's default
+    heartbeat and election timeout (members that share busy cores with engine nodes would
+    otherwise hold elections all the time)."""
+
+    def __init__(self, run_dir: Path, size: int = 3, fast: bool = False) -> None:
+        ports = [(free_port(), free_port()) for _ in range(size)]
+        initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+        self.members = [EtcdProcess(Path(run_dir) / f"etcd-{i}", client, peer, fast=fast, name=f"etcd-{i}",
+                                    initial_cluster=initial) for i, (client, peer) in enumerate(ports)]
+
+    @property
+    def endpoints(self) -> str:
+        """HOST:PORT,... of every member (the metaserver's `--etcd`)."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout_s: float = 30.0) -> EtcdCluster:
+        for m in self.members:
+            shutil.rmtree(m.data_dir, ignore_errors=True)  # a fresh cluster: no member data left over
+            m.launch()
+        try:
+            for m in self.members:
+                m.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

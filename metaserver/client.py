@@ -169,6 +169,9 @@ class MetaClient:
         self._replicas = [_Replica(ep, self.security) for ep in self.endpoints]
         self._metadata = self.security.call_metadata()
         self._current = 0
+        # Times a call moved to another replica: the one left may have died with acknowledged
+        # changes not yet in etcd (`NodeSession` re-publishes after one).
+        self.failovers = 0
         self._lock = threading.Lock()
         self._sessions: dict[str, str] = {}  # node id -> session token of its registration
 
@@ -219,6 +222,7 @@ class MetaClient:
                     if idx != start:
                         with self._lock:
                             self._current = idx
+                            self.failovers += 1
                         log.info("metaserver client: now using %s", self.endpoints[idx])
                     return resp
             if time.monotonic() + 0.05 >= deadline:
@@ -346,6 +350,9 @@ class NodeSession:
     keepalive thread after each re-registration, and after the first successful keepalive
     that follows a failed one or a failed publish (`resync()`): the lease may have outlived
     an outage in which publishes were lost, or a metaserver crash lost acknowledged changes.
+    A failover to another replica (`MetaClient.failovers` moved) counts as such a crash: the
+    lease lives on in etcd, so no call fails, but the replica left behind may have died with
+    acknowledged changes still queued for etcd.
     Nodes are the source of truth for what they hold, so this is what makes the index
     converge.
     """
@@ -364,6 +371,7 @@ class NodeSession:
         self.registrations = 0  # how many times this session (re-)registered
         self._stop = threading.Event()
         self._resync = threading.Event()
+        self._failovers = client.failovers  # the client's count at the last (re-)publish of everything
         self._thread: threading.Thread | None = None
 
     def resync(self) -> None:
@@ -380,6 +388,7 @@ class NodeSession:
         self.registration = self.client.register_node(*self._args)
         self.registrations += 1
         self._resync.clear()
+        self._failovers = self.client.failovers
         n = self._publish_holdings()
         log.info("node %s registered (lease %x), re-published %d blocks", self.node_id,
                  self.registration.lease_id, n)
@@ -397,6 +406,9 @@ class NodeSession:
             try:
                 assert self.registration is not None
                 self.client.keepalive(self.node_id, self.registration.lease_id)
+                if self.client.failovers != self._failovers:  # see the class doc
+                    self._failovers = self.client.failovers
+                    self._resync.set()
                 if self._resync.is_set():
                     self._resync.clear()
                     log.info("node %s: re-published %d blocks after an outage", self.node_id,

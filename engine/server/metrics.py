@@ -126,6 +126,7 @@ ENGINE_STATS: dict[str, Stat] = {
     # the pool's disk tier (kvpool.disk; all 0 without one)
     "pool_disk_enabled": _gauge("1 while this node's disk tier is on (0 after an I/O error turned it off)"),
     "pool_disk_blocks": _gauge("Blocks held in this node's disk tier"),
+    "pool_held_blocks": _gauge("Blocks this node's pool holds, in DRAM or only on its disk tier (as indexed)"),
     "pool_disk_slots": _gauge("Slots in this node's disk tier (0 without one)"),
     "pool_disk_writes": _counter("Blocks written to the disk tier (evicted from DRAM)"),
     "pool_disk_hits": _counter("Blocks read from the disk tier and validated"),

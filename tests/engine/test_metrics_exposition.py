@@ -129,6 +129,9 @@ class _Pool:
     def __len__(self) -> int:
         return 0
 
+    def num_held(self) -> int:
+        return 0
+
 
 def test_both_connector_halves_report_only_classified_statistics() -> None:
     """The scheduler half with its index view on, the worker half with its saver and pool:

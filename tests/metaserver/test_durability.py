@@ -136,6 +136,33 @@ def test_node_republishes_after_its_lease_was_lost(metaserver_factory, etcd: Etc
             session.stop()
 
 
+def test_node_republishes_after_failing_over_from_a_replica_that_died_with_queued_writes(
+        metaserver_factory, etcd: EtcdProcess) -> None:
+    """Found by `kvpool bench chaos --seed 1` (issue 42): replica A acknowledged a publish,
+    queued its etcd write (etcd was down) and was killed before writing it. The node's lease
+    lives on in etcd, so its next keepalive succeeds at once on replica B: no failed call,
+    no re-registration, and without a resync B never learns of those blocks (the index
+    lacked blocks the node held, for good). A failover must resync like a failed keepalive."""
+    a, b = metaserver_factory(), metaserver_factory()
+    holdings = recs(range(20))
+    with MetaClient(f"{a.address},{b.address}") as c, MetaClient(b.address) as cb:
+        session = NodeSession(c, "n1", "127.0.0.1:9001", 0, CAP, NS, lambda: holdings, lease_ttl_s=6)
+        session.start()  # keepalives every 2 s, through A
+        try:
+            wait_for(lambda: matched(cb, range(20)) == 20, timeout_s=10)
+            etcd.kill()
+            late = recs(range(20, 30))
+            c.publish("n1", late)  # acknowledged by A, queued there: etcd is down
+            holdings = holdings + late
+            assert matched(c, range(30)) == 30
+            a.kill()               # the queued write dies with A
+            etcd.start()           # the lease is still there: B answers the keepalives
+            wait_for(lambda: matched(cb, range(30)) == 30, timeout_s=15)
+            assert session.registrations == 1
+        finally:
+            session.stop()
+
+
 def test_etcd_outage_keeps_queries_and_loses_no_acknowledged_publish(metaserver_factory, etcd: EtcdProcess) -> None:
     a = metaserver_factory()
     acked: list[int] = []

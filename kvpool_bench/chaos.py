@@ -1,0 +1,554 @@
+"""`kvpool bench chaos`: the pool under a steady workload while processes fail, on loopback.
+
+What it runs: a 3-member etcd cluster (`EtcdCluster`), 2 metaserver replicas on it, 2
+`kvpool serve --kv-connector mooncake` nodes with small DRAM pools over a disk tier (both
+replicas as `--metaserver M1,M2`), and `kvpool router` (prefix policy) in front. `--clients`
+closed-loop clients send multi-turn chats (`kvpool_bench.workloads.multi_turn`: groups of
+users share a system prompt, each round extends the previous prompt) through the router.
+
+The timeline: `--warmup` fault-free seconds, then `--duration` seconds of nemesis, then
+`--quiet` fault-free seconds after the last fault healed. The nemesis (`schedule`, seeded)
+starts a fault event every `--interval-min`..`--interval-max` seconds after the previous
+one healed. An event is one fault or, with probability `--double-p`, two at once on
+different processes, each one of:
+    kill / stop   SIGKILL / SIGSTOP of a node, a metaserver replica, one etcd member, two
+                  etcd members at once (the quorum is lost) or the router
+    restart       a node stopped cleanly (SIGTERM) and started again with the same id
+It heals after `--heal-min`..`--heal-max` seconds: stopped processes get SIGCONT, ended ones
+are started again with the same identity, ports, data folders and flags (etcd members
+first, then replicas, nodes, the router). A run with two events or more has at least one
+double fault and one quorum loss (the schedule makes sure of it).
+
+The checker's rules (any one broken: verdict FAIL, exit code 1):
+  1. every answer equals, token for token, the greedy answer of a node without a connector
+     (started after the cluster is down, same model and engine flags; `--output-tokens`
+     tokens, EOS ignored): 0 wrong answers;
+  2. every request is accounted for: answered, possibly after attempts the client saw fail
+     (HTTP error, error chunk, broken or short stream, timeout: it retries after 0.5 s),
+     within `--request-bound` seconds of its first attempt; none lost, none late. Each
+     attempt's socket reads time out after `--attempt-timeout` s (a frozen router);
+  3. after the quiet stretch, once the nodes' publish queues are empty, each replica's
+     index lists for each node exactly the blocks it holds (in DRAM or only on its disk
+     tier; `kvpool_bench.soak.index_vs_holdings`), within 60 s of convergence;
+  4. the prefix-hit rate (local + pool hit tokens over prompt tokens) of requests started
+     in the quiet stretch is at least `--min-hit-ratio` x that of the warm-up (its first
+     third is left out: a cold start);
+  5. every process runs at the end, and no process's RSS (sampled every `--sample-s` s)
+     is above `--rss-limit-mib`.
+
+TODO (later work, not built): network partitions (e.g. dropping a node's or an etcd
+member's loopback traffic with an nftables/iptables owner rule or a proxy in between) and a
+full disk under a node's disk tier (a small tmpfs or a loop device filled up), as further
+fault kinds of the nemesis; and the one-hour run (`--duration 3600`) recorded in
+docs/RELIABILITY.md.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvpool_bench.cross_node import stream_completion
+from kvpool_bench.report import pct, write_report
+from kvpool_bench.soak import index_vs_holdings, rss_bytes
+from kvpool_bench.workloads import BenchRequest, multi_turn
+
+NODES, REPLICAS, ETCD = 2, 2, 3
+BACKOFF_S = 0.5
+
+
+# ---- the nemesis's schedule (no processes) ---------------------------------------------
+
+@dataclass(frozen=True)
+class Fault:
+    action: str                 # kill | stop | restart
+    targets: tuple[str, ...]    # node-i, ms-i, etcd-i (two of them: the quorum), router
+
+    def __str__(self) -> str:
+        return f"{self.action} {'+'.join(self.targets)}"
+
+    @property
+    def quorum_loss(self) -> bool:
+        return sum(t.startswith("etcd-") for t in self.targets) >= 2
+
+
+@dataclass(frozen=True)
+class Event:
+    at_s: float                 # seconds after the previous event healed (the first: after the warm-up)
+    faults: tuple[Fault, ...]   # applied at once
+    heal_s: float               # seconds after which all of them heal
+
+
+def _one_fault(rng: random.Random, kind: str) -> Fault:
+    if kind == "node":
+        return Fault(rng.choice(["kill", "stop", "restart"]), (f"node-{rng.randrange(NODES)}",))
+    if kind == "ms":
+        return Fault(rng.choice(["kill", "stop"]), (f"ms-{rng.randrange(REPLICAS)}",))
+    if kind == "etcd":
+        return Fault(rng.choice(["kill", "stop"]), (f"etcd-{rng.randrange(ETCD)}",))
+    if kind == "quorum":
+        pair = sorted(rng.sample(range(ETCD), 2))
+        return Fault(rng.choice(["kill", "stop"]), tuple(f"etcd-{i}" for i in pair))
+    return Fault(rng.choice(["kill", "stop"]), ("router",))
+
+
+KINDS = {"node": 0.3, "ms": 0.2, "etcd": 0.15, "quorum": 0.15, "router": 0.2}
+
+
+def _faults(rng: random.Random, count: int, force: str = "") -> tuple[Fault, ...]:
+    """`count` faults on different processes, at most two etcd members down in all;
+    `force`: the first one's kind."""
+    out: list[Fault] = []
+    while len(out) < count:
+        kind = force if force and not out else rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        f = _one_fault(rng, kind)
+        taken = {t for g in out for t in g.targets}
+        etcd = sum(t.startswith("etcd-") for g in [*out, f] for t in g.targets)
+        if taken.isdisjoint(f.targets) and etcd <= 2:
+            out.append(f)
+    return tuple(out)
+
+
+def schedule(seed: int, duration_s: float, interval: tuple[float, float] = (20, 60),
+             heal: tuple[float, float] = (3, 10), double_p: float = 0.35) -> list[Event]:
+    """The nemesis's events for `duration_s` seconds (nominal: restarts take longer), seeded.
+    Two events or more: at least one double fault and one quorum loss."""
+    rng = random.Random(seed)
+    events: list[Event] = []
+    t = 0.0
+    while True:
+        gap, heal_s = round(rng.uniform(*interval), 1), round(rng.uniform(*heal), 1)
+        if t + gap + heal_s > duration_s:
+            break
+        events.append(Event(gap, _faults(rng, 2 if rng.random() < double_p else 1), heal_s))
+        t += gap + heal_s
+    if len(events) >= 2:
+        if not any(len(e.faults) == 2 for e in events):
+            e = events[0]
+            events[0] = Event(e.at_s, _faults(rng, 2, force=rng.choice(["node", "ms", "router"])), e.heal_s)
+        if not any(f.quorum_loss for e in events for f in e.faults):
+            e = events[-1]
+            events[-1] = Event(e.at_s, _faults(rng, len(e.faults), force="quorum"), e.heal_s)
+    return events
+
+
+# ---- the cluster -----------------------------------------------------------------------
+
+class ChaosCluster:
+    """The processes, by the names the schedule uses; each started again with its identity."""
+
+    def __init__(self, run_dir: Path, args: argparse.Namespace) -> None:
+        from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
+        from kvpool_harness.processes import EtcdCluster, MetaserverProcess
+        from kvpool_harness.router_node import RouterProcess
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        clear_disks(run_dir)
+        self.engine_args = ("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes)
+        self.etcd = EtcdCluster(run_dir, ETCD)
+        self.replicas = [MetaserverProcess(self.etcd.endpoints, run_dir / f"ms-{i}.log") for i in range(REPLICAS)]
+        self.ms = ",".join(m.address for m in self.replicas)
+        spec = ClusterSpec(nodes=NODES, model=args.model, pool_size=args.pool_size, pool_disk_size=args.pool_disk_size,
+                           engine_args=self.engine_args)
+        self.nodes = [LocalCluster(run_dir, spec)._node(i, self.ms) for i in range(NODES)]  # with their disk tiers
+        self.router = RouterProcess(run_dir / "router.log", [n.url for n in self.nodes], "prefix", self.ms,
+                                    extra_args=("--model", args.model))
+        self.frozen: set[str] = set()
+        self.ended: set[str] = set()
+
+    def procs(self) -> dict[str, object]:
+        return {**{f"etcd-{i}": m for i, m in enumerate(self.etcd.members)},
+                **{f"ms-{i}": m for i, m in enumerate(self.replicas)},
+                **{n.node_id: n for n in self.nodes}, "router": self.router}
+
+    def pid(self, name: str) -> int | None:
+        p = self.procs()[name]
+        proc = p.proc  # type: ignore[attr-defined]
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def up(self, timeout_s: float = 300) -> None:
+        self.etcd.start()
+        for m in self.replicas:
+            m.start()
+        for n in self.nodes:
+            n.start()
+        for n in self.nodes:
+            n.wait_ready(timeout_s)
+        self.router.start(timeout_s)
+
+    def apply(self, f: Fault) -> None:
+        for name in f.targets:
+            p = self.procs()[name]
+            if f.action == "stop":
+                os.kill(self.pid(name), signal.SIGSTOP)  # type: ignore[arg-type]
+                self.frozen.add(name)
+            else:  # kill: SIGKILL; restart: SIGTERM (a clean shutdown), started again at the heal
+                p.kill() if f.action == "kill" else p.stop()  # type: ignore[attr-defined]
+                self.ended.add(name)
+
+    def heal(self, timeout_s: float = 300) -> None:
+        for name in sorted(self.frozen):
+            pid = self.pid(name)
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+        self.frozen.clear()
+        ended, procs = sorted(self.ended), self.procs()
+        etcd = [procs[n] for n in ended if n.startswith("etcd-")]
+        for m in etcd:
+            m.launch()  # type: ignore[attr-defined]
+        for m in etcd:
+            m.wait_healthy(60)  # type: ignore[attr-defined]
+        for n in ended:
+            if n.startswith("ms-"):
+                procs[n].start()  # type: ignore[attr-defined]
+        nodes = [procs[n] for n in ended if n.startswith("node-")]
+        for n in nodes:
+            n.start()  # type: ignore[attr-defined]
+        for n in nodes:
+            n.wait_ready(timeout_s)  # type: ignore[attr-defined]
+        if "router" in ended:
+            self.router.start(timeout_s)
+        self.ended.clear()
+
+    def down(self) -> None:
+        for name in list(self.frozen):
+            pid = self.pid(name)
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+        self.router.stop()
+        for n in self.nodes:
+            n.stop()
+        for m in self.replicas:
+            m.stop()
+        self.etcd.stop()
+
+
+def run_nemesis(cluster: ChaosCluster, events: list[Event], t0: float, log: list[dict]) -> None:
+    """Apply each event, wait, heal; times (seconds from `t0`) go into `log`."""
+    for e in events:
+        time.sleep(e.at_s)
+        at = time.perf_counter() - t0
+        for f in e.faults:
+            cluster.apply(f)
+        print(f"[{at:7.1f} s] fault: {', '.join(map(str, e.faults))}", flush=True)
+        time.sleep(e.heal_s)
+        healing = time.perf_counter() - t0
+        cluster.heal()
+        healed = time.perf_counter() - t0
+        print(f"[{healed:7.1f} s] healed ({healed - healing:.1f} s to restart)", flush=True)
+        log.append({"faults": [str(f) for f in e.faults], "at_s": round(at, 1), "heal_started_s": round(healing, 1),
+                    "healed_s": round(healed, 1), "double": len(e.faults) == 2,
+                    "quorum_loss": any(f.quorum_loss for f in e.faults)})
+
+
+# ---- the workload and the clients -------------------------------------------------------
+
+def conversations(seed: int, output_tokens: int):  # noqa: ANN201
+    """Conversations (each a user's rounds, in order) forever: 8 users in 2 groups that share
+    a 128-token system prompt, 4 rounds of 32 user + 32 reply tokens; then new ones."""
+    for gen in itertools.count():
+        reqs = multi_turn(users=8, rounds=4, groups=2, system_tokens=128, user_tokens=32, reply_tokens=32,
+                          output_tokens=output_tokens, seed=seed * 1000 + gen)
+        by_user: dict[str, list[BenchRequest]] = {}
+        for r in reqs:
+            by_user.setdefault(r.session, []).append(r)
+        yield from by_user.values()
+
+
+@dataclass
+class Outcome:
+    rid: str
+    start_s: float
+    attempts: int = 0
+    answered: bool = False
+    e2e_s: float = 0.0
+    ttft_s: float = 0.0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    errors: list[str] = field(default_factory=list)   # the first few failed attempts'
+    correct: bool | None = None
+    prompt: tuple[int, ...] = field(default=(), repr=False)
+    output: tuple[int, ...] = field(default=(), repr=False)
+
+
+def send(url: str, req: BenchRequest, t0: float, bound_s: float, attempt_timeout_s: float) -> Outcome:
+    """One request until answered (retries after each failed attempt) or `bound_s` passed."""
+    start = time.perf_counter()
+    out = Outcome(req.rid, start - t0, prompt=req.prompt, prompt_tokens=len(req.prompt))
+    while time.perf_counter() - start < bound_s:
+        out.attempts += 1
+        try:
+            r = stream_completion(url, req, 0, timeout_s=attempt_timeout_s)
+            err = r.error or ("" if r.output_tokens == req.max_tokens and len(r.output_ids) == req.max_tokens
+                              else f"short answer: {len(r.output_ids)} of {req.max_tokens} tokens")
+        except Exception as exc:  # noqa: BLE001 -- a broken stream (IncompleteRead, ...) is a failed attempt
+            err = f"{type(exc).__name__}: {exc}"
+        if not err:
+            out.answered, out.ttft_s, out.output = True, r.ttft_s, r.output_ids
+            out.hit_tokens = r.local_hit_tokens + r.remote_hit_tokens
+            break
+        if len(out.errors) < 3:
+            out.errors.append(err[:200])
+        time.sleep(BACKOFF_S)
+    out.e2e_s = time.perf_counter() - start
+    return out
+
+
+class Clients:
+    """`n` closed-loop clients, each taking the next whole conversation and sending its
+    rounds one after another, until `stop()` (each finishes the request it is in)."""
+
+    def __init__(self, url: str, n: int, seed: int, output_tokens: int, bound_s: float, attempt_timeout_s: float,
+                 t0: float) -> None:
+        self.url, self.bound_s, self.attempt_timeout_s, self.t0 = url, bound_s, attempt_timeout_s, t0
+        self._convs = conversations(seed, output_tokens)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.outcomes: list[Outcome] = []
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                conv = next(self._convs)
+            for req in conv:
+                if self._stop.is_set():
+                    return
+                o = send(self.url, req, self.t0, self.bound_s, self.attempt_timeout_s)
+                with self._lock:
+                    self.outcomes.append(o)
+
+    def stop(self) -> list[str]:
+        """Stop; the names of clients still running after the bound (hung)."""
+        self._stop.set()
+        deadline = time.monotonic() + self.bound_s + 10
+        for t in self._threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        return [t.name for t in self._threads if t.is_alive()]
+
+
+class RssSampler:
+    """Every process's RSS by name every `every_s` seconds (PIDs change on restarts)."""
+
+    def __init__(self, cluster: ChaosCluster, every_s: float, t0: float) -> None:
+        self.cluster, self.every_s, self.t0 = cluster, every_s, t0
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        self.samples.append({"t_s": round(time.perf_counter() - self.t0, 1),
+                             **{n: rss_bytes(self.cluster.pid(n)) for n in self.cluster.procs()}})
+
+    def _run(self) -> None:
+        self.sample()
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.sample()
+
+
+def references(outcomes: list[Outcome], run_dir: Path, model: str, engine_args: tuple[str, ...]) -> None:
+    """Set `correct` on each answered outcome: its output against a connector-off node's
+    greedy answer for the same prompt (prompts sent in start order: the node's own prefix
+    cache makes later rounds cheap)."""
+    from kvpool_harness.engine_node import EngineProcess
+
+    answered = sorted((o for o in outcomes if o.answered), key=lambda o: o.start_s)
+    prompts = list(dict.fromkeys(o.prompt for o in answered))
+    max_tokens = max((len(o.output) for o in answered), default=1)
+    with EngineProcess(run_dir / "reference.log", "reference", extra_args=engine_args, model=model,
+                       env={"OMP_WAIT_POLICY": "PASSIVE"}) as ref:
+        def one(p: tuple[int, ...]) -> tuple[int, ...]:
+            req = BenchRequest("ref", p, max_tokens)
+            for _ in range(3):
+                r = stream_completion(ref.url, req, 0, timeout_s=120)
+                if not r.error:
+                    return r.output_ids
+            raise RuntimeError(f"the reference node failed: {r.error}")
+        with ThreadPoolExecutor(2) as ex:
+            refs = dict(zip(prompts, ex.map(one, prompts)))
+    for o in answered:
+        o.correct = o.output == refs[o.prompt]
+
+
+# ---- the checker and the report ------------------------------------------------------------
+
+def hit_rate(outs: list[Outcome]) -> float:
+    prompt = sum(o.prompt_tokens for o in outs if o.answered)
+    return sum(o.hit_tokens for o in outs if o.answered) / prompt if prompt else 0.0
+
+
+def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], faults: list[dict], rss: list[dict],
+              index: dict[str, list[dict]], hung: list[str], alive: dict[str, bool], args: argparse.Namespace) -> dict:
+    answered = [o for o in outs if o.answered]
+    late = [o for o in answered if o.e2e_s > args.request_bound]
+    windows = {name: [o for o in outs if lo <= o.start_s < hi] for name, (lo, hi) in phases.items()}
+    rates = {name: hit_rate(w) for name, w in windows.items()}
+    buckets = []
+    end = max((o.start_s for o in outs), default=0.0)
+    for lo in range(0, int(end) + 1, int(args.window_s)):
+        w = [o for o in outs if lo <= o.start_s < lo + args.window_s]
+        buckets.append({"from_s": lo, "requests": len(w), "hit_rate": round(hit_rate(w), 3),
+                        "retried": sum(o.attempts > 1 for o in w)})
+    names = [k for k in rss[0] if k != "t_s"] if rss else []
+    rss_table = {n: {"start": next((s[n] for s in rss if s[n]), 0), "end": rss[-1][n], "peak": max(s[n] for s in rss)}
+                 for n in names}
+    limit = args.rss_limit_mib * 2 ** 20
+    index_ok = all(all(c["pool_blocks"] == c["index_blocks"] for c in checks) and checks for checks in index.values())
+    checks = {
+        "no wrong answers": all(o.correct is not False for o in answered) and all(o.correct is not None for o in answered),
+        "no request lost or late": len(answered) == len(outs) and not late and not hung,
+        "index = holdings on every replica": index_ok,
+        "quiet hit rate >= ratio x warm-up": rates["quiet"] >= args.min_hit_ratio * rates["warmup"],
+        "every process runs, RSS under the limit": all(alive.values()) and all(r["peak"] <= limit for r in rss_table.values()),
+        "faults applied": bool(faults) or args.duration < args.interval_min + args.heal_max,
+    }
+    ttft = [o.ttft_s for o in answered]
+    return {
+        "verdict": "PASS" if all(checks.values()) else "FAIL", "checks": checks,
+        "requests": len(outs), "answered": len(answered), "retried": sum(o.attempts > 1 for o in answered),
+        "failed": len(outs) - len(answered), "late": len(late), "hung_clients": hung,
+        "wrong": sum(o.correct is False for o in answered), "attempts_failed": sum(o.attempts - o.answered for o in outs),
+        "error_samples": list(dict.fromkeys(e for o in outs for e in o.errors))[:8],
+        "hit_rate": {k: round(v, 3) for k, v in rates.items()}, "hit_rate_windows": buckets,
+        "phases": {k: [round(lo, 1), round(hi, 1)] for k, (lo, hi) in phases.items()},
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "ttft_by_phase": {k: {"p50": pct([o.ttft_s for o in w if o.answered], 50),
+                              "p99": pct([o.ttft_s for o in w if o.answered], 99)} for k, w in windows.items()},
+        "faults": faults, "rss": rss_table, "alive": alive, "index_check": index,
+    }
+
+
+def print_summary(s: dict) -> None:
+    mib = 2 ** 20
+    print("\nfaults:")
+    for f in s["faults"]:
+        print(f"  {f['at_s']:7.1f} s  {', '.join(f['faults']):<40} healed at {f['healed_s']:.1f} s")
+    print(f"requests {s['requests']}: answered {s['answered']} (retried {s['retried']}), failed {s['failed']}, "
+          f"late {s['late']}, wrong {s['wrong']}; failed attempts {s['attempts_failed']}")
+    for e in s["error_samples"]:
+        print(f"  attempt error: {e}")
+    print("hit rate: " + ", ".join(f"{k} {v:.3f}" for k, v in s["hit_rate"].items()))
+    print("hit rate per window: " + " ".join(f"{b['from_s']}s:{b['hit_rate']:.2f}" for b in s["hit_rate_windows"]))
+    print(f"TTFT p50 / p99 (s): {s['ttft_p50_s']:.2f} / {s['ttft_p99_s']:.2f}; by phase: "
+          + ", ".join(f"{k} {v['p50']:.2f}/{v['p99']:.2f}" for k, v in s["ttft_by_phase"].items()))
+    print("RSS start / end / peak (MiB):")
+    for n, r in s["rss"].items():
+        print(f"  {n:<8} {r['start'] / mib:6.0f} / {r['end'] / mib:6.0f} / {r['peak'] / mib:6.0f}")
+    for rep, checks in s["index_check"].items():
+        print(f"index = holdings on {rep}: " + ", ".join(f"{c['node']} {c['index_blocks']}/{c['pool_blocks']}"
+                                                         for c in checks))
+    for k, ok in s["checks"].items():
+        print(f"  [{'ok' if ok else 'FAIL'}] {k}")
+    print(f"verdict: {s['verdict']}")
+
+
+def check_index(cluster: ChaosCluster, timeout_s: float = 60.0) -> dict[str, list[dict]]:
+    """Each replica's index against the nodes' holdings, polled until they agree or `timeout_s`."""
+    shim = SimpleNamespace(nodes=cluster.nodes)
+    out: dict[str, list[dict]] = {}
+    for i, m in enumerate(cluster.replicas):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                checks = index_vs_holdings(shim, timeout_s=30, address=m.address)
+            except Exception as err:  # noqa: BLE001 -- a replica that does not answer fails the rule
+                checks = [{"node": "?", "pool_blocks": 0, "index_blocks": -1, "error": str(err)[:200]}]
+            if all(c["pool_blocks"] == c["index_blocks"] for c in checks) or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        out[f"ms-{i}"] = checks
+    return out
+
+
+# ---- the command ------------------------------------------------------------------------
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("chaos", help="faults under load: right answers, no lost requests, index = holdings")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of nemesis (after the warm-up)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=60.0, help="fault-free seconds first")
+    p.add_argument("--quiet", type=float, default=60.0, help="fault-free seconds after the last heal")
+    p.add_argument("--interval-min", type=float, default=20.0, help="seconds from a heal to the next fault, min")
+    p.add_argument("--interval-max", type=float, default=60.0)
+    p.add_argument("--heal-min", type=float, default=3.0, help="seconds a fault lasts, min")
+    p.add_argument("--heal-max", type=float, default=10.0)
+    p.add_argument("--double-p", type=float, default=0.35, help="probability of two faults at once")
+    p.add_argument("--clients", type=int, default=4, help="closed-loop clients")
+    p.add_argument("--output-tokens", type=int, default=4)
+    p.add_argument("--request-bound", type=float, default=180.0, help="seconds a request may take, retries included")
+    p.add_argument("--attempt-timeout", type=float, default=60.0, help="socket read timeout of one attempt")
+    p.add_argument("--min-hit-ratio", type=float, default=0.7, help="quiet hit rate over warm-up hit rate, min")
+    p.add_argument("--rss-limit-mib", type=float, default=3072.0)
+    p.add_argument("--pool-size", default="48MiB", help="each node's DRAM pool (small: it evicts to disk)")
+    p.add_argument("--pool-disk-size", default="192MiB", help="each node's disk tier")
+    p.add_argument("--kv-cache-bytes", default="64MiB")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--sample-s", type=float, default=2.0)
+    p.add_argument("--window-s", type=float, default=20.0, help="hit-rate window in the report")
+    p.add_argument("--run-dir", default="runs/chaos")
+    p.add_argument("--out", default="", help="JSON report (default RUN_DIR/report.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if min(args.duration, args.warmup, args.quiet, args.interval_min, args.heal_min, args.clients) <= 0 \
+            or args.interval_max < args.interval_min or args.heal_max < args.heal_min:
+        print("kvpool bench chaos: error: durations, intervals and --clients must be positive (min <= max)",
+              file=sys.stderr)
+        return 2
+    events = schedule(args.seed, args.duration, (args.interval_min, args.interval_max),
+                      (args.heal_min, args.heal_max), args.double_p)
+    print(f"seed {args.seed}: {len(events)} fault events: "
+          + "; ".join(", ".join(map(str, e.faults)) for e in events), flush=True)
+    run_dir = Path(args.run_dir)
+    cluster = ChaosCluster(run_dir, args)
+    faults: list[dict] = []
+    try:
+        cluster.up()
+        t0 = time.perf_counter()
+        clients = Clients(cluster.router.url, args.clients, args.seed, args.output_tokens, args.request_bound,
+                          args.attempt_timeout, t0)
+        sampler = RssSampler(cluster, args.sample_s, t0)
+        time.sleep(args.warmup)
+        chaos_at = time.perf_counter() - t0
+        run_nemesis(cluster, events, t0, faults)
+        time.sleep(max(args.duration - (time.perf_counter() - t0 - chaos_at), 0))
+        quiet_at = time.perf_counter() - t0
+        time.sleep(args.quiet)
+        hung = clients.stop()
+        end_at = time.perf_counter() - t0
+        sampler.stop()
+        index = check_index(cluster)
+        alive = {n: cluster.pid(n) is not None for n in cluster.procs()}
+    except RuntimeError as err:
+        print(f"kvpool bench chaos: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.down()
+    outs = clients.outcomes
+    references(outs, run_dir, args.model, cluster.engine_args)
+    phases = {"warmup": (args.warmup / 3, chaos_at), "chaos": (chaos_at, quiet_at), "quiet": (quiet_at, end_at)}
+    s = summarize(outs, phases, faults, sampler.samples, index, hung, alive, args)
+    print_summary(s)
+    report = {"bench": "chaos", "seed": args.seed, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))},
+              "schedule": [{"at_s": e.at_s, "faults": [str(f) for f in e.faults], "heal_s": e.heal_s} for e in events],
+              "summary": s, "rss_samples": sampler.samples,
+              "requests": [{k: v for k, v in asdict(o).items() if k not in ("prompt", "output")} for o in outs]}
+    write_report(args.out or str(run_dir / "report.json"), report)
+    return 0 if s["verdict"] == "PASS" else 1

@@ -1,0 +1,79 @@
+"""`kvpool bench chaos`: the nemesis's schedule (fast, no processes) and a short seeded run
+(slow: etcd x3, two metaserver replicas, two nodes with the real model and disk tiers, the
+router; faults every few seconds) whose checker must pass."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool_bench.chaos import ETCD, Fault, schedule
+
+SHORT = {"duration_s": 60, "interval": (4.0, 8.0), "heal": (2.0, 5.0)}
+
+
+def test_same_seed_same_schedule_and_seeds_differ() -> None:
+    assert schedule(7, **SHORT) == schedule(7, **SHORT)  # type: ignore[arg-type]
+    assert schedule(7, **SHORT) != schedule(8, **SHORT)  # type: ignore[arg-type]
+    assert schedule(3, 3600) == schedule(3, 3600)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_event_fits_its_bounds_and_heals_before_the_next(seed: int) -> None:
+    events = schedule(seed, **SHORT)  # type: ignore[arg-type]
+    assert events
+    t = 0.0
+    for e in events:
+        assert 4.0 <= e.at_s <= 8.0 and 2.0 <= e.heal_s <= 5.0   # healed after heal_s; the next starts after that
+        assert 1 <= len(e.faults) <= 2
+        targets = [t for f in e.faults for t in f.targets]
+        assert len(targets) == len(set(targets)), e            # two faults at once hit different processes
+        assert sum(t.startswith("etcd-") for t in targets) <= 2 < ETCD  # never every etcd member
+        for f in e.faults:
+            assert f.action in ("kill", "stop", "restart")
+            assert f.action != "restart" or f.targets[0].startswith("node-")
+            assert len(f.targets) == 1 or f.quorum_loss
+        t += e.at_s + e.heal_s
+    assert t <= 60
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_run_has_a_double_fault_and_a_quorum_loss(seed: int) -> None:
+    events = schedule(seed, **SHORT)  # type: ignore[arg-type]
+    assert len(events) >= 2
+    assert any(len(e.faults) == 2 for e in events)
+    assert any(f.quorum_loss for e in events for f in e.faults)
+
+
+def test_the_long_schedule_covers_every_kind_of_fault() -> None:
+    faults = {(f.action, f.targets[0].split("-")[0], f.quorum_loss) for e in schedule(0, 3600) for f in e.faults}
+    for want in [("kill", "node", False), ("stop", "node", False), ("restart", "node", False),
+                 ("kill", "ms", False), ("stop", "ms", False), ("kill", "etcd", False), ("stop", "etcd", False),
+                 ("kill", "etcd", True), ("stop", "etcd", True), ("kill", "router", False), ("stop", "router", False)]:
+        assert want in faults, want
+
+
+def test_a_duration_too_short_for_one_fault_has_none() -> None:
+    assert schedule(0, 5, (20, 60), (3, 10)) == []
+    assert str(Fault("stop", ("etcd-0", "etcd-2"))) == "stop etcd-0+etcd-2"
+
+
+@pytest.mark.slow
+def test_short_chaos_run_passes_the_checker(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "chaos", "--seed", "1",
+         "--warmup", "15", "--duration", "40", "--quiet", "15", "--interval-min", "4", "--interval-max", "8",
+         "--heal-min", "2", "--heal-max", "5", "--sample-s", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(out.read_text())["summary"]
+    assert proc.returncode == 0 and s["verdict"] == "PASS", proc.stdout[-4000:]
+    assert s["wrong"] == 0 and s["failed"] == 0 and s["late"] == 0 and not s["hung_clients"]
+    assert all(s["checks"].values()), s["checks"]
+    assert any(f["double"] for f in s["faults"]) and any(f["quorum_loss"] for f in s["faults"]), s["faults"]
+    assert s["answered"] >= 20 and s["retried"] >= 1
+    assert "verdict: PASS" in proc.stdout
