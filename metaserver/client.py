@@ -88,18 +88,18 @@ class _Replica:
     backoff (up to a second) before it tries again, and until then fails every call at once,
     also after the replica is back: a node's first lookup after a metaserver restart failed
     so, although every replica was serving. gRPC's remedy (grpc_channel_reset_connect_backoff)
-    is not in its Python API, so a call that fails UNAVAILABLE on a channel in
-    TRANSIENT_FAILURE replaces the channel by a fresh one (which connects at once) and is
-    tried again on it. While the replica is really down the fresh channel's connection is
-    refused at once, so calls still fail fast; replacements are at most one per
-    _RESET_INTERVAL_S. A replaced channel is closed when the last call on it returns."""
+    is not in its Python API, so a call that fails UNAVAILABLE or past its deadline replaces
+    the channel by a fresh one (which connects at once) and is tried again on it. While the
+    replica is really down the fresh channel's connection is refused at once, so calls still
+    fail fast; replacements are at most one per _RESET_INTERVAL_S. A replaced channel is
+    closed when the last call on it returns. (No connectivity watch: `Channel.subscribe`
+    runs a polling thread per channel, which could raise at a short-lived CLI's exit.)"""
 
     def __init__(self, endpoint: str, security: ClientSecurity) -> None:
         self.endpoint = endpoint
         self._security = security
         self._lock = threading.Lock()
         self._calls: dict[grpc.Channel, int] = {}  # calls in flight per channel (current or replaced)
-        self._states: dict[grpc.Channel, grpc.ChannelConnectivity] = {}
         self._closed = False
         self._open()
 
@@ -107,12 +107,6 @@ class _Replica:
         """A fresh channel becomes current (under the lock, or in __init__)."""
         ch = self._security.channel(self.endpoint, _CHANNEL_OPTIONS)
         self.channel, self.stub, self._opened = ch, pb_grpc.MetaServiceStub(ch), time.monotonic()
-        ch.subscribe(lambda state: self._on_state(ch, state))
-
-    def _on_state(self, ch: grpc.Channel, state: grpc.ChannelConnectivity) -> None:
-        with self._lock:
-            if ch is self.channel or ch in self._calls:
-                self._states[ch] = state
 
     def acquire(self) -> tuple[grpc.Channel, pb_grpc.MetaServiceStub]:
         """The current channel and its stub for one call; `release` the channel after it."""
@@ -130,22 +124,21 @@ class _Replica:
             del self._calls[ch]
             if ch is self.channel and not self._closed:
                 return
-            self._states.pop(ch, None)
         ch.close()  # replaced, and no call on it any more
 
     def reset(self, ch: grpc.Channel) -> bool:
         """After a call on `ch` failed UNAVAILABLE or past its deadline: whether to try again on
-        a fresh channel (`ch` was in reconnect backoff, or already replaced meanwhile)."""
+        a fresh channel (`ch` may be waiting out a reconnect backoff; or it was already
+        replaced meanwhile)."""
         with self._lock:
             if self._closed:
                 return False
             if ch is not self.channel:
                 return True
-            if (self._states.get(ch) != grpc.ChannelConnectivity.TRANSIENT_FAILURE
-                    or time.monotonic() - self._opened < _RESET_INTERVAL_S):
+            if time.monotonic() - self._opened < _RESET_INTERVAL_S:
                 return False
             self._open()  # `ch` is closed by the release of its last call (the caller's)
-        log.debug("metaserver client: %s was in reconnect backoff; connecting afresh", self.endpoint)
+        log.debug("metaserver client: a call to %s failed; connecting afresh", self.endpoint)
         return True
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ class OrderedIndex:
     metaserver does; a Publish waits for `release` once it has arrived (an RPC in flight)."""
 
     timeout_s = 5.0
+    failovers = 0  # MetaClient's count of calls moved to another replica (NodeSession reads it)
 
     def __init__(self) -> None:
         self.held: dict[BlockHash, BlockRecord] = {}
