@@ -83,13 +83,29 @@ def _query_result(hashes: Sequence[bytes], resp: pb.QueryPrefixResponse, sparse:
     return QueryResult(tuple(located[:resp.num_matched]), by_node, tuple(held))
 
 
+def _backing_off(ch: grpc.Channel) -> bool:
+    """Whether `ch` waits out a reconnect backoff (TRANSIENT_FAILURE), read without a watch
+    thread: grpc's Python API only offers `subscribe`, whose polling thread per channel raised
+    at a short-lived CLI's exit. True where the state cannot be read (a fresh channel is the
+    safe answer)."""
+    try:
+        from grpc import _common
+
+        state = _common.CYGRPC_CONNECTIVITY_STATE_TO_CHANNEL_CONNECTIVITY[
+            ch._channel.check_connectivity_state(False)]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - another channel class, another grpcio: replace it
+        return True
+    return state is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+
 class _Replica:
     """One endpoint's channel. A channel whose connection failed waits out its reconnect
     backoff (up to a second) before it tries again, and until then fails every call at once,
     also after the replica is back: a node's first lookup after a metaserver restart failed
     so, although every replica was serving. gRPC's remedy (grpc_channel_reset_connect_backoff)
-    is not in its Python API, so a call that fails UNAVAILABLE or past its deadline replaces
-    the channel by a fresh one (which connects at once) and is tried again on it. While the
+    is not in its Python API, so a call that fails UNAVAILABLE or past its deadline on a
+    channel in TRANSIENT_FAILURE (`_backing_off`) replaces the channel by a fresh one (which
+    connects at once) and is tried again on it. While the
     replica is really down the fresh channel's connection is refused at once, so calls still
     fail fast; replacements are at most one per _RESET_INTERVAL_S. A replaced channel is
     closed when the last call on it returns. (No connectivity watch: `Channel.subscribe`
@@ -135,7 +151,7 @@ class _Replica:
                 return False
             if ch is not self.channel:
                 return True
-            if time.monotonic() - self._opened < _RESET_INTERVAL_S:
+            if time.monotonic() - self._opened < _RESET_INTERVAL_S or not _backing_off(ch):
                 return False
             self._open()  # `ch` is closed by the release of its last call (the caller's)
         log.debug("metaserver client: a call to %s failed; connecting afresh", self.endpoint)
