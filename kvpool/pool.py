@@ -235,8 +235,11 @@ class NodePool:
 
     def num_held(self) -> int:
         """Blocks this node holds as the index should list them: in DRAM, or only on its disk
-        tier (what `kvpool bench soak` and `chaos` compare with the index)."""
-        return len(self._holdings())
+        tier (what `kvpool bench soak` and `chaos` compare with the index): `_holdings`
+        counted, without building its records (every /stats and /metrics scrape asks)."""
+        on_disk = self.disk.blocks() if self.disk is not None else []
+        with self._lock:
+            return len(self._lru) + sum(not self._in_dram(b.block_hash) for b in on_disk)
 
     def _is_current(self, rec: BlockRecord) -> bool:
         if rec.medium == Medium.DISK:
