@@ -130,11 +130,16 @@ class NodePool:
         self._session = NodeSession(self.client, self.config.node_id, self.te.session_id, self.buffer_address,
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s, api_url=self.config.api_url,
-                                    stage_address=self._stager.address if self._stager is not None else "")
+                                    stage_address=self._stager.address if self._stager is not None else "",
+                                    on_published=self._count_published)
         self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
                                     on_failure=self._session.resync)
         self._session.start()
         self._publisher.start()
+
+    def _count_published(self, n: int) -> None:
+        """The session re-published n held records (after a failed publish or an outage)."""
+        self.stats.published += n
 
     def close(self) -> None:
         """Unregister from the metaserver, unregister all memory. Idempotent."""

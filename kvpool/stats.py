@@ -13,7 +13,7 @@ class PoolStats:
     failed_reads: int = 0     # blocks whose read failed or did not validate
     bytes_read: int = 0       # payload bytes delivered by get()
     quarantined_slots: int = 0  # read-buffer slots lost to failed transfers (see kvpool.reader)
-    published: int = 0        # records acknowledged by the metaserver
+    published: int = 0        # records acknowledged by the metaserver (re-publications included)
     unpublished: int = 0
     unpublish_waits: int = 0  # unpublishes held until a publish of the same blocks was answered
     # The disk tier (kvpool.disk); all stay 0 / False without one.

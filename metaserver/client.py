@@ -369,8 +369,10 @@ class NodeSession:
     def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
                  capacity_bytes: int, layout_fingerprint: str, holdings: Callable[[], Sequence[BlockRecord]],
                  lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "",
-                 stage_address: str = "") -> None:
+                 stage_address: str = "", on_published: Callable[[int], None] = lambda n: None) -> None:
+        """`on_published(n)`: n records of the holdings were (re-)published, acknowledged."""
         self.client = client
+        self._on_published = on_published
         self.node_id = node_id
         self._args = (node_id, session_address, buffer_address, capacity_bytes, layout_fingerprint, lease_ttl_s,
                       api_url, stage_address)
@@ -405,7 +407,7 @@ class NodeSession:
     def _publish_holdings(self) -> int:
         records = list(self._holdings())
         for i in range(0, len(records), self._publish_batch):
-            self.client.publish(self.node_id, records[i:i + self._publish_batch])
+            self._on_published(self.client.publish(self.node_id, records[i:i + self._publish_batch]))
         return len(records)
 
     def _run(self) -> None:

@@ -49,6 +49,10 @@ def fill(pool: NodePool, n: int, seed: str = "chain") -> list[bytes]:
     for h in hashes:
         assert put_bytes(pool, h, block_content(h, BB))
     assert pool.flush_publishes()
+    # A publish that failed (a loaded machine can stall a call past its deadline) is sent
+    # again by the node's session after its next keepalive: wait for the index, not the call.
+    with MetaClient(pool.config.metaserver) as c:
+        wait_for(lambda: c.query_prefix(NS, hashes).num_matched == n, timeout_s=60)
     return hashes
 
 
@@ -433,3 +437,25 @@ def test_segmented_payloads_read_and_save_per_layer_slices(two_pools, metaserver
         for k in range(layers):
             got = cache[(k * nblocks + 3 + i) * seg:(k * nblocks + 4 + i) * seg]
             assert np.array_equal(got, src[k][i * seg:(i + 1) * seg])
+
+
+def test_a_failed_publish_is_sent_again_and_counted(metaserver: MetaserverProcess) -> None:
+    """A publish that misses its deadline (the metaserver frozen past it) is not lost: the
+    node's session re-publishes its holdings after the next keepalive, and the pool's
+    `published` counts them once acknowledged."""
+    pool = make_pool(metaserver, "late", 8, rpc_timeout_s=1.0)
+    try:
+        hashes = [block_hash("late", i) for i in range(4)]
+        os.kill(metaserver.pid, signal.SIGSTOP)
+        try:
+            for h in hashes:
+                assert put_bytes(pool, h, block_content(h, BB))
+            assert pool.flush_publishes(30)
+            assert pool.stats.published == 0
+        finally:
+            os.kill(metaserver.pid, signal.SIGCONT)
+        with MetaClient(metaserver.address) as c:
+            wait_for(lambda: c.query_prefix(NS, hashes).num_matched == 4, timeout_s=60)
+        wait_for(lambda: pool.stats.published == 4, timeout_s=10)
+    finally:
+        pool.close()
