@@ -26,12 +26,14 @@ class SaveSpec:
 
 @dataclass(frozen=True, slots=True)
 class SendSpec:
-    """A finished request's full prompt blocks, handed to a remote decode (`connector.handoff`):
-    the worker half puts any not in the pool yet, then reports where each one is."""
+    """A finished request's full prompt blocks (and its tail), handed to a remote decode
+    (`connector.handoff`): the worker half puts any not in the pool yet, then reports where
+    each one is."""
 
     request_id: str
     block_ids: tuple[int, ...]              # its cache blocks from block 0 (held until the send is reported)
     block_hashes: tuple[BlockHash, ...]
+    tail_tokens: int = 0                    # the last block is the prompt's partial one, this many tokens
 
 
 @dataclass

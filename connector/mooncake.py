@@ -58,7 +58,7 @@ class MooncakeConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.start_lookup(request.request_id, request.block_hashes, request.num_tokens,
-                                    request.kv_transfer_params)
+                                    request.kv_transfer_params, request.prompt_token_ids)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
@@ -90,7 +90,7 @@ class MooncakeConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         hold = self.scheduler.finish_request(request.request_id, request.kv_transfer_params, block_ids,
                                              request.block_hashes, request.num_prompt_tokens,
-                                             request.num_computed_tokens)
+                                             request.num_computed_tokens, request.prompt_token_ids)
         return bool(hold), None  # a send's params come with its report (get_kv_transfer_params)
 
     # ---- worker side ----------------------------------------------------------------

@@ -53,6 +53,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from connector import handoff
 from connector.lookup import Lookups, LookupState
@@ -122,6 +123,16 @@ class FailedReads:
         return {"connector_suspect_nodes": len(self._nodes), "connector_avoided_blocks": self.skipped_blocks}
 
 
+class HandOff(NamedTuple):
+    """What a finished request hands to a remote decode (`PoolScheduler.finish_request`)."""
+
+    full_blocks: int   # its full prompt blocks from block 0
+    tail_tokens: int   # prompt tokens of the partial block after them (0: none handed off)
+
+    def __bool__(self) -> bool:
+        return bool(self.full_blocks or self.tail_tokens)
+
+
 @dataclass(slots=True)
 class _Hit:
     """A request's lookup answer, and what was last offered from it."""
@@ -176,21 +187,45 @@ class PoolScheduler:
         # request id -> (the chain blocks a vLLM producer put into the pool for it, until when
         # to wait for them to reach the index) (`connector.handoff`).
         self._expect: dict[str, tuple[int, float]] = {}
+        # request id -> the hand-off block after its full prompt blocks, and the tokens loaded
+        # from it (`handoff.consumer_tail`): the chain looked up is one block longer.
+        self._tails: dict[str, tuple[BlockHash, int]] = {}
         self._touches: list[BlockHash] = []
         self.touched_blocks = 0    # local-hit blocks touched in this node's pool (counter)
         self.reoffered_blocks = 0  # local-hit blocks saved again: the index held them nowhere (counter)
 
+    def _chain(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> list[bytes]:
+        """The blocks a request's lookup names: its full blocks before its last token, then its
+        hand-off tail if it has one."""
+        chain = list(block_hashes[:(num_tokens - 1) // self.block_size])
+        tail = self._tails.get(request_id)
+        return chain + [tail[0]] if tail is not None else chain
+
     def start_lookup(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
-                     transfer_params: dict | None = None) -> None:
+                     transfer_params: dict | None = None, prompt_tokens: Sequence[int] | None = None) -> None:
         """A request arrived: start looking its full blocks up now, off this thread (or take
-        them from a producer's `transfer_params`)."""
-        end = (num_tokens - 1) // self.block_size  # its last token is always computed
-        if not self.consume or end <= 0:
+        them from a producer's `transfer_params`, with the tail of `prompt_tokens`)."""
+        if not self.consume:
+            return
+        if handoff.is_remote_prefill(transfer_params):
+            assert transfer_params is not None
+            try:
+                tail = handoff.consumer_tail(transfer_params, self.fingerprint, block_hashes, num_tokens,
+                                             self.block_size, prompt_tokens)
+            except ValueError as err:
+                tail = None
+                log.warning("%s: the hand-off's last block is not used (%s)", request_id, err)
+            if tail is not None:
+                self._tails[request_id] = tail
+        chain = self._chain(request_id, block_hashes, num_tokens)
+        end = len(chain)  # its last token is always computed
+        if end <= 0:
             return
         if handoff.is_remote_prefill(transfer_params) and handoff.names_blocks_by_count(transfer_params or {}):
             assert transfer_params is not None
             try:  # a vLLM producer: its blocks reach the index a moment after its answer
-                want = min(handoff.expected_blocks(transfer_params, self.fingerprint), end)
+                declared_tail = "kvpool_tail_tokens" in transfer_params and request_id in self._tails
+                want = min(handoff.expected_blocks(transfer_params, self.fingerprint) + declared_tail, end)
             except ValueError as err:
                 self.handoff_bad_params += 1
                 log.warning("%s: transfer params not used (%s); looking the prompt up instead", request_id, err)
@@ -201,7 +236,7 @@ class PoolScheduler:
         elif handoff.is_remote_prefill(transfer_params):
             assert transfer_params is not None
             try:
-                locations, nodes = handoff.consumer_hit(transfer_params, self.fingerprint, block_hashes[:end])
+                locations, nodes = handoff.consumer_hit(transfer_params, self.fingerprint, chain)
             except ValueError as err:
                 self.handoff_bad_params += 1
                 log.warning("%s: transfer params not used (%s); looking the prompt up instead", request_id, err)
@@ -210,13 +245,13 @@ class PoolScheduler:
                 self.hit_blocks += len(locations)
                 self._hits[request_id] = _Hit(end, QueryResult(locations, nodes), end)
                 return
-        res = self._view.query(block_hashes[:end], sparse=True) if self._view is not None else None
+        res = self._view.query(chain, sparse=True) if self._view is not None else None
         if res is not None:  # answered at once, on this thread, with no RPC
             self.view_answers += 1
             self.hit_blocks += res.num_held
             self._hits[request_id] = _Hit(end, res, end)
             return
-        self._lookups.submit(request_id, block_hashes[:end])
+        self._lookups.submit(request_id, chain)
         self._asked[request_id] = end
 
     def num_matched_tokens(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int,
@@ -224,11 +259,13 @@ class PoolScheduler:
         """Tokens after the local hit (`num_computed_tokens`, block-aligned) the pool can load:
         the run of blocks the index holds from there, whatever it holds before; None while
         the lookup is in flight ("ask again later"). Leaves the request's last token to
-        compute (its logits start the output). Never blocks."""
+        compute (its logits start the output): a run that ends with a hand-off tail loads
+        only its tokens before that one. Never blocks."""
         if not self.consume or request_id in self._load_failed:
             return 0
         bs = self.block_size
-        start, end = num_computed_tokens // bs, (num_tokens - 1) // bs
+        chain = self._chain(request_id, block_hashes, num_tokens)
+        start, end = num_computed_tokens // bs, len(chain)
         if end <= start:
             return 0
         hit = self._hits.get(request_id)
@@ -243,7 +280,7 @@ class PoolScheduler:
             self.hit_blocks += hit.answer.num_held
             self._hits[request_id] = hit
         run = hit.answer.run_from(start)[:max(0, min(end, hit.stop) - start)]
-        assert all(loc.block_hash == block_hashes[start + j] for j, loc in enumerate(run)), "a run has no gap"
+        assert all(loc.block_hash == chain[start + j] for j, loc in enumerate(run)), "a run has no gap"
         usable = self._avoid.usable(run)  # the run, cut at a source or block that just failed
         if usable < len(run):
             hit.stop = start + usable  # never offered to this request again (nor counted again)
@@ -265,6 +302,9 @@ class PoolScheduler:
         held = hit.answer.held
         if self.produce and start and (held or not hit.answer.locations):  # a sparse answer (or nothing held)
             self._refresh[request_id] = (start, tuple(j for j in range(start) if j >= len(held) or held[j] is None))
+        tail = self._tails.get(request_id)
+        if tail is not None and run and start + len(run) == end:
+            return (len(run) - 1) * bs + tail[1]  # the tail block holds the last token: not that one
         return len(run) * bs
 
     def _prefetch_disk(self, run: Sequence[BlockLocation], nodes: dict) -> None:
@@ -293,7 +333,7 @@ class PoolScheduler:
         hit = self._hits.pop(request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
-        n = num_external_tokens // self.block_size
+        n = -(-num_external_tokens // self.block_size)  # the last one a tail's part (num_matched_tokens)
         first = hit.start
         dests = tuple(block_table[first:first + n])
         locs = hit.offered[:n]
@@ -360,21 +400,32 @@ class PoolScheduler:
                                         tuple(BlockHash(block_hashes[j]) for j in lacking)))
 
     def finish_request(self, request_id: str, transfer_params: dict | None, block_table: Sequence[int],
-                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int) -> int:
-        """The request ended. Nonzero (the full prompt blocks sent) if its blocks must stay:
-        it asks for a remote decode, so the worker half sends those blocks (into the pool,
-        then names them) first. Only computed blocks are sent (a request aborted in its
-        prefill has blocks allocated whose KV was never written)."""
+                       block_hashes: Sequence[bytes], num_prompt_tokens: int, num_computed_tokens: int,
+                       prompt_tokens: Sequence[int] | None = None) -> HandOff:
+        """The request ended. A nonzero `HandOff` (the full prompt blocks sent, the tokens of
+        the tail after them) if its blocks must stay: it asks for a remote decode, so the
+        worker half sends those blocks (into the pool, then names them) first. Only computed
+        blocks are sent (a request aborted in its prefill has blocks allocated whose KV was
+        never written); the tail (`connector.handoff`) needs `prompt_tokens`."""
         self.forget(request_id)
         if not self.produce or not handoff.wants_remote_decode(transfer_params):
-            return 0
-        n = min(min(num_prompt_tokens, num_computed_tokens) // self.block_size, len(block_hashes), len(block_table))
-        if n == 0:
-            return 0
+            return HandOff(0, 0)
+        bs = self.block_size
+        n = min(min(num_prompt_tokens, num_computed_tokens) // bs, len(block_hashes), len(block_table))
+        ids, hashes = list(block_table[:n]), [BlockHash(h) for h in block_hashes[:n]]
+        tail = handoff.producer_tail(num_prompt_tokens, bs)
+        if (not tail or prompt_tokens is None or num_computed_tokens < num_prompt_tokens
+                or n != num_prompt_tokens // bs or len(block_table) <= n):
+            tail = 0
+        else:
+            ids.append(block_table[n])
+            hashes.append(handoff.tail_hash(self.fingerprint, request_id, hashes[-1] if n else None,
+                                            prompt_tokens[n * bs:num_prompt_tokens]))
+        if not ids:
+            return HandOff(0, 0)
         self.handoff_sends += 1
-        self._sends.append(SendSpec(request_id, tuple(block_table[:n]),
-                                    tuple(BlockHash(h) for h in block_hashes[:n])))
-        return n
+        self._sends.append(SendSpec(request_id, tuple(ids), tuple(hashes), tail))
+        return HandOff(n, tail)
 
     def build_meta(self) -> PoolConnectorMetadata:
         """This step's loads, saves and sends for the worker half; starts a new step."""
@@ -392,6 +443,7 @@ class PoolScheduler:
         self._load_failed.discard(request_id)
         self._refresh.pop(request_id, None)
         self._expect.pop(request_id, None)
+        self._tails.pop(request_id, None)
 
     def counters(self) -> dict[str, float]:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""

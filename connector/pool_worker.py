@@ -14,7 +14,7 @@ newly computed full blocks into the pool on a saver thread (`connector.saver`), 
 host's step; `begin_step` fences the blocks a step writes before its forward pass. Their
 publication is batched and asynchronous.
 
-Sends (P/D, `connector.handoff`): a finished request's full prompt blocks are put into the
+Sends (P/D, `connector.handoff`): a finished request's full prompt blocks (and its tail) are put into the
 pool (behind the saves already queued, never dropped for being behind), and once the last
 one is in, the request is reported in `finished_sends()` with the transfer params naming
 where the pool holds them (`take_sent_params()`); until then the host holds its blocks.
@@ -244,8 +244,10 @@ class PoolWorker:
         if len(records) < len(spec.block_hashes):
             log.warning("%s: %d of %d prompt blocks could not be put into the pool; the decode node computes "
                         "the rest", spec.request_id, len(spec.block_hashes) - len(records), len(spec.block_hashes))
+        whole = len(records) == len(spec.block_hashes)
         with self._sent_lock:
-            self._sent[spec.request_id] = handoff.producer_params(pool.node_record(), records)
+            self._sent[spec.request_id] = handoff.producer_params(pool.node_record(), records, spec.request_id,
+                                                                  spec.tail_tokens if whole else 0)
             self.stats.sent_blocks += len(records)
         self._progress.set()
 

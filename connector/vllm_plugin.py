@@ -22,7 +22,9 @@ objects into their plain values.
   views of one buffer: a pool block (the block's slice of every layer, in layer order) lands
   whole in the pool's read buffer, is validated there (header + checksum) and copied slice by
   slice into the cache; a failed transfer never writes into vLLM's cache. Only full blocks are saved, after the
-  forward pass (`wait_for_save`); a partial last block is always recomputed.
+  forward pass (`wait_for_save`); a partial last block is recomputed, except in P/D, where the
+  producer hands it off too (`connector.handoff`, the tail) and the decode node computes only
+  the prompt's last token.
 - Failures: blocks that failed are reported by `get_block_ids_with_load_errors`; use
   `kv_load_failure_policy: recompute` (vLLM's default is `fail`). A request whose load
   failed is offered no remote hit again, so vLLM's recompute path cannot loop.
@@ -215,7 +217,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._tracked.setdefault(request.request_id, _Tracked(request, []))
         self._scheduler.start_lookup(request.request_id, self._pool_hashes(request), request.num_tokens,
-                                     request.kv_transfer_params)
+                                     request.kv_transfer_params, request.prompt_token_ids)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """None while the lookup is in flight (vLLM asks again next step); never blocks."""
@@ -271,16 +273,18 @@ class KVPoolConnector(KVConnectorBase_V1):
 
         assert self._scheduler is not None
         rid, params = request.request_id, request.kv_transfer_params
-        sent = 0
-        if request.status == RequestStatus.FINISHED_LENGTH_CAPPED:
-            sent = self._scheduler.finish_request(rid, params, block_ids, self._pool_hashes(request),
-                                                  request.num_prompt_tokens, request.num_computed_tokens)
-        else:
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             self._scheduler.forget(rid)
+            self._tracked.pop(rid, None)
+            return False, None
+        sent = self._scheduler.finish_request(rid, params, block_ids, self._pool_hashes(request),
+                                              request.num_prompt_tokens, request.num_computed_tokens,
+                                              request.prompt_token_ids)
         self._tracked.pop(rid, None)
         if not sent:
             return False, None
-        return True, handoff.vllm_producer_params(self._settings.node_id, rid, block_ids, sent, self._fingerprint)
+        return True, handoff.vllm_producer_params(self._settings.node_id, rid, block_ids, sent.full_blocks,
+                                                  self._fingerprint, sent.tail_tokens)
 
     # ---- worker side ----------------------------------------------------------------
 

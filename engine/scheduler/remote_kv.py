@@ -139,7 +139,10 @@ class RemoteKV:
         del self._started[rid]
         bs = self.kv.block_size
         ids = self.kv.block_ids(rid)
-        first, last = req.num_computed_tokens // bs, (req.num_computed_tokens + req.num_external_tokens) // bs
+        # The load wrote blocks first..last-1; the last one may be a hand-off's tail, whose
+        # tokens after the loaded ones are computed next (connector.handoff).
+        end = req.num_computed_tokens + req.num_external_tokens
+        first, last = req.num_computed_tokens // bs, -(-end // bs)
         bad = next((i for i in range(first, last) if ids[i] in self._invalid_block_ids), None)
         self._invalid_block_ids.difference_update(ids[first:last])
         if bad is not None:
@@ -147,11 +150,11 @@ class RemoteKV:
             if self.failure_policy == "fail":
                 return LoadState.FAILED, f"loading KV failed for {last - bad} of {last - first} blocks"
             log.info("%s: %d of %d loaded blocks failed; recomputing from block %d", rid, last - bad, last - first, bad)
-            last = bad
-        req.num_external_tokens = (last - first) * bs
+            end = bad * bs
+        req.num_external_tokens = end - first * bs
         if req.num_preemptions == 0:
             req.num_prompt_external_tokens = req.num_external_tokens
-        req.num_computed_tokens = last * bs
+        req.num_computed_tokens = end
         self.remote_hit_tokens += req.num_external_tokens
         self.kv.cache_computed(req)
         req.status = RequestStatus.WAITING

@@ -109,22 +109,78 @@ def test_a_send_that_never_reports_is_answered_without_params_at_the_timeout() -
 @pytest.mark.parametrize("produce", [True, False])
 def test_a_producer_sends_only_the_computed_full_prompt_blocks(metaserver: MetaserverProcess, produce: bool) -> None:
     """`PoolScheduler.finish_request`: a producer's request asking for a remote decode keeps
-    its blocks and sends its full prompt blocks; one aborted in its prefill only those
-    computed; a request without the ask, or a consumer, sends nothing."""
+    its blocks and sends its full prompt blocks and, with the prompt's tokens, its last
+    partial block as the tail (under `handoff.tail_hash`); one aborted in its prefill only the
+    full blocks computed; a request without the ask, or a consumer, sends nothing."""
     extra = {"metaserver": metaserver.address}
     settings = PoolConnectorSettings.from_extra(lambda k, d: extra.get(k, d), 10.0)
     sched = PoolScheduler(settings, FP, 16, consume=True, produce=produce, client=MetaClient(metaserver.address))
     ask = {"do_remote_decode": True}
-    table, chain = [5, 6, 7, 8], hashes(4)
+    table, chain, prompt = [5, 6, 7, 8], hashes(4), list(range(100, 160))
+    none = (0, 0)
     try:
-        assert sched.finish_request("done", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=60) \
-            == (3 if produce else 0)
-        assert sched.finish_request("aborted", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=20) \
-            == (1 if produce else 0)
-        assert sched.finish_request("no-ask", None, table, chain, num_prompt_tokens=60, num_computed_tokens=60) == 0
-        assert sched.finish_request("short", ask, [5], chain[:1], num_prompt_tokens=9, num_computed_tokens=9) == 0
-        sends = [(s.request_id, s.block_ids, s.block_hashes) for s in sched.build_meta().sends]
-        assert sends == ([("done", (5, 6, 7), tuple(chain[:3])), ("aborted", (5,), tuple(chain[:1]))]
+        assert sched.finish_request("done", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=60,
+                                    prompt_tokens=prompt) == ((3, 12) if produce else none)
+        assert sched.finish_request("no-tokens", ask, table, chain, num_prompt_tokens=60,
+                                    num_computed_tokens=60) == ((3, 0) if produce else none)
+        assert sched.finish_request("aborted", ask, table, chain, num_prompt_tokens=60, num_computed_tokens=20,
+                                    prompt_tokens=prompt) == ((1, 0) if produce else none)
+        assert sched.finish_request("no-ask", None, table, chain, num_prompt_tokens=60, num_computed_tokens=60,
+                                    prompt_tokens=prompt) == none
+        assert not sched.finish_request("no-ask", None, table, chain, num_prompt_tokens=60, num_computed_tokens=60)
+        assert sched.finish_request("short", ask, [5], chain[:1], num_prompt_tokens=9, num_computed_tokens=9,
+                                    prompt_tokens=prompt[:9]) == ((0, 9) if produce else none)
+        assert sched.finish_request("one-token-tail", ask, [5, 6], chain[:2], num_prompt_tokens=17,
+                                    num_computed_tokens=17, prompt_tokens=prompt[:17]) == ((1, 0) if produce else none)
+        sends = [(s.request_id, s.block_ids, s.block_hashes, s.tail_tokens) for s in sched.build_meta().sends]
+        tail = handoff.tail_hash(FP, "done", chain[2], prompt[48:60])
+        assert sends == ([("done", (5, 6, 7, 8), (*chain[:3], tail), 12),
+                          ("no-tokens", (5, 6, 7), tuple(chain[:3]), 0),
+                          ("aborted", (5,), tuple(chain[:1]), 0),
+                          ("short", (5,), (handoff.tail_hash(FP, "short", None, prompt[:9]),), 9),
+                          ("one-token-tail", (5,), tuple(chain[:1]), 0)]
                          if produce else [])
+    finally:
+        sched.close()
+
+
+def test_the_tail_a_consumer_loads() -> None:
+    """`handoff.consumer_tail`: the decode node's own name for the producer's last block and
+    the tokens it loads from it (all but the prompt's last token); none for a prompt whose last
+    block holds only that token, or whose producer declared a tail of another length."""
+    chain, prompt = hashes(4), list(range(100, 164))
+    declared = {"remote_request_id": "p-1", "kvpool_tail_tokens": 12}
+    assert handoff.consumer_tail(declared, FP, chain, 60, 16, prompt[:60]) == \
+        (handoff.tail_hash(FP, "p-1", chain[2], prompt[48:60]), 11)
+    assert handoff.consumer_tail({}, FP, chain, 64, 16, prompt) == (chain[3], 15)   # a full last block
+    assert handoff.consumer_tail(declared, FP, chain, 49, 16, prompt[:49]) is None  # the last token alone
+    assert handoff.consumer_tail({**declared, "kvpool_tail_tokens": 5}, FP, chain, 60, 16, prompt[:60]) is None
+    assert handoff.consumer_tail({}, FP, chain, 60, 16, prompt[:60]) is None        # no tail handed off
+    assert handoff.consumer_tail(declared, FP, chain, 60, 16, None) is None
+    assert handoff.tail_hash(FP, "p-1", chain[2], prompt[48:60]) != handoff.tail_hash(FP, "p-2", chain[2],
+                                                                                          prompt[48:60])
+    with pytest.raises(ValueError, match="remote_request_id"):
+        handoff.consumer_tail({"kvpool_tail_tokens": 12}, FP, chain, 60, 16, prompt[:60])
+
+
+def test_a_consumer_loads_the_named_tail_and_leaves_only_the_last_token(metaserver: MetaserverProcess) -> None:
+    """A decode node given a producer's locations with a tail offers every prompt token but
+    the last, and plans the load of the tail into the block after the full ones."""
+    extra = {"metaserver": metaserver.address, "lookup_view": False}
+    settings = PoolConnectorSettings.from_extra(lambda k, d: extra.get(k, d), 10.0)
+    sched = PoolScheduler(settings, FP, 16, consume=True, produce=False, client=MetaClient(metaserver.address))
+    chain, prompt = hashes(3), list(range(100, 160))
+    tail = handoff.tail_hash(FP, "p-1", chain[2], prompt[48:60])
+    recs = [BlockRecord(BlockHash(h), i * 4160, 4160, 3 + i) for i, h in enumerate([*chain, tail])]
+    p = handoff.producer_params(NODE, recs, "p-1", 12)
+    try:
+        sched.start_lookup("d-1", chain, 60, p, prompt)
+        assert sched.num_matched_tokens("d-1", chain, 60, 0) == 59
+        assert sched.num_matched_tokens("d-1", chain, 60, 16) == 43     # after a local hit of one block
+        sched.on_alloc("d-1", [9, 10, 11, 12], 43)
+        (load,) = sched.build_meta().loads
+        assert load.block_ids == (10, 11, 12) and [loc.block_hash for loc in load.locations] == [*chain[1:], tail]
+        sched.start_lookup("d-2", chain, 60, {**p, "kvpool_tail_tokens": 7}, prompt)  # not this prompt's tail
+        assert sched.num_matched_tokens("d-2", chain, 60, 0) == 48
     finally:
         sched.close()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from connector import handoff
 from kvpool_harness.engine_node import http_json
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.router_node import RouterProcess
@@ -63,25 +64,23 @@ def proxy(prefill: VllmProcess, decode: VllmProcess, prompt: list[int], max_toke
 
 @pytest.mark.parametrize("n", [16, 300, 1024, 2000])
 def test_decode_loads_the_prefill_nodes_blocks_and_answers_like_vllm_alone(cluster: dict, n: int) -> None:
-    """Prompts that are and are not multiples of the block size: the decode node loads every
-    full prompt block but the one holding the last token (vLLM computes that token for its
-    logits) from the prefill node's pool, and answers token for token as vLLM alone."""
+    """Prompts that are and are not multiples of the block size: the decode node loads the KV
+    of every prompt token but the last (vLLM computes that one for its logits) from the
+    prefill node's pool (its full blocks, then the partial last one, the tail), and answers
+    token for token as vLLM alone."""
     p, d, c = cluster["P"], cluster["D"], cluster["C"]
     prompt = tokens(n, n)
     hits, loaded = d.metric(HITS), d.metric(LOADED)
     first, ours = proxy(p, d, prompt, 12)
-    sent = n // BS
-    params = first.get("kv_transfer_params")
-    if sent:
-        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "vllm-p"
-        assert params["kvpool_num_blocks"] == sent and len(params["remote_block_ids"]) >= sent
-    else:
-        assert not params                                           # nothing to hand off: no hold, no params
+    full, tail = n // BS, handoff.producer_tail(n, BS)
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "vllm-p"
+    assert params["kvpool_num_blocks"] == full and params.get("kvpool_tail_tokens", 0) == tail
+    assert len(params["remote_block_ids"]) >= full + bool(tail)
     ref = completion(c, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
     assert ours["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
-    expect = (n - 1) // BS                                          # the last token's block is computed
-    assert d.metric(HITS) - hits == expect * BS                     # vLLM's own counter: offered by the pool
-    assert d.metric(LOADED) - loaded == expect                      # and loaded (the worker's counter)
+    assert d.metric(HITS) - hits == n - 1                           # vLLM's own counter: it computed one token
+    assert d.metric(LOADED) - loaded == -(-(n - 1) // BS)           # blocks loaded (the worker's counter)
 
 
 def test_the_prefill_nodes_blocks_are_freed_once_in_its_pool(cluster: dict) -> None:
@@ -93,9 +92,10 @@ def test_the_prefill_nodes_blocks_are_freed_once_in_its_pool(cluster: dict) -> N
     first = completion(p, {"prompt": tokens(77, 5 * BS + 3), "max_tokens": 1, "temperature": 0, "stream": False,
                            "kv_transfer_params": {"do_remote_decode": True}})
     assert first["kv_transfer_params"]["kvpool_num_blocks"] == 5
+    assert first["kv_transfer_params"]["kvpool_tail_tokens"] == 3
     plain = completion(p, {"prompt": tokens(78, 2 * BS + 9), "max_tokens": 1, "temperature": 0})
     assert not plain.get("kv_transfer_params")
-    wait_for(lambda: p.metric("kvpool:connector_sent_blocks_total") >= sent + 5, timeout_s=30)
+    wait_for(lambda: p.metric("kvpool:connector_sent_blocks_total") >= sent + 6, timeout_s=30)  # and the tail
     wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, timeout_s=30)
 
 
@@ -110,7 +110,7 @@ def test_through_kvpool_router_pd(cluster: dict, tmp_path_factory: pytest.TempPa
         status, ours = http_json(f"{router.url}/v1/completions", body)
     assert status == 200, ours
     assert ours["choices"][0]["token_ids"] == completion(c, body)["choices"][0]["token_ids"]
-    assert d.metric(LOADED) - loaded == 4
+    assert d.metric(LOADED) - loaded == 5   # 4 full blocks and the tail
 
 
 def test_prefill_node_killed_before_the_decode_read_recomputes_identically(cluster: dict) -> None:
@@ -125,9 +125,9 @@ def test_prefill_node_killed_before_the_decode_read_recomputes_identically(clust
     first = completion(p, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}})
     assert first["kv_transfer_params"]["kvpool_num_blocks"] == 6
     # P's send is in its pool and the index (else D finds nothing to read and computes anyway).
-    wait_for(lambda: held() >= before + 6, timeout_s=30)
+    wait_for(lambda: held() >= before + 7, timeout_s=30)  # 6 full blocks and the tail
     p.kill()
     failed = d.metric("kvpool:connector_failed_blocks_total")
     ours = completion(d, {**body, "kv_transfer_params": first["kv_transfer_params"]})
     assert ours["choices"][0]["token_ids"] == completion(c, body)["choices"][0]["token_ids"]
-    wait_for(lambda: d.metric("kvpool:connector_failed_blocks_total") >= failed + 6, timeout_s=30)
+    wait_for(lambda: d.metric("kvpool:connector_failed_blocks_total") >= failed + 7, timeout_s=30)
