@@ -4,8 +4,8 @@ What it runs: a 3-member etcd cluster (`EtcdCluster`), 2 metaserver replicas on 
 `kvpool serve --kv-connector mooncake` nodes with small DRAM pools over a disk tier, and
 `kvpool router` (prefix policy) in front. Each node reaches the two replicas through two
 `TcpProxy`s of its own (`kvpool_harness.tcp_proxy`; its `--metaserver P1,P2`), so a partition
-cuts one node's links only; the router, the other node and the checker reach the replicas
-directly. `--clients`
+cuts that node's links only; the router and the checker reach the replicas directly.
+`--clients`
 closed-loop clients send multi-turn chats (`kvpool_bench.workloads.multi_turn`: groups of
 users share a system prompt, each round extends the previous prompt) through the router.
 
@@ -148,10 +148,11 @@ def schedule(seed: int, duration_s: float, interval: tuple[float, float] = (20, 
             break
         events.append(Event(gap, _faults(rng, 2 if rng.random() < double_p else 1), heal_s))
         t += gap + heal_s
-    if len(events) >= 4:  # in event 1 or 2 (the fixes below change only the first and the last),
-        wanted = ("partition", "disk")  # one that holds neither kind if there is one
+    if len(events) >= 4:  # forced into event 1 or 2: the fixes below change only the first and the last
+        wanted = ("partition", "disk")
         for kind in wanted:
             if not any(f.action == kind for e in events for f in e.faults):
+                # one that holds neither kind, so the other one's fault stays
                 i = next((i for i in (1, 2) if all(f.action not in wanted for f in events[i].faults)), 1)
                 e = events[i]
                 events[i] = Event(e.at_s, _faults(rng, len(e.faults), force=kind), e.heal_s)
