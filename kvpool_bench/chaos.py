@@ -1,8 +1,11 @@
 """`kvpool bench chaos`: the pool under a steady workload while processes fail, on loopback.
 
 What it runs: a 3-member etcd cluster (`EtcdCluster`), 2 metaserver replicas on it, 2
-`kvpool serve --kv-connector mooncake` nodes with small DRAM pools over a disk tier (both
-replicas as `--metaserver M1,M2`), and `kvpool router` (prefix policy) in front. `--clients`
+`kvpool serve --kv-connector mooncake` nodes with small DRAM pools over a disk tier, and
+`kvpool router` (prefix policy) in front. Each node reaches the two replicas through two
+`TcpProxy`s of its own (`kvpool_harness.tcp_proxy`; its `--metaserver P1,P2`), so a partition
+cuts that node's links only; the router and the checker reach the replicas directly.
+`--clients`
 closed-loop clients send multi-turn chats (`kvpool_bench.workloads.multi_turn`: groups of
 users share a system prompt, each round extends the previous prompt) through the router.
 
@@ -14,10 +17,20 @@ different processes, each one of:
     kill / stop   SIGKILL / SIGSTOP of a node, a metaserver replica, one etcd member, two
                   etcd members at once (the quorum is lost) or the router
     restart       a node stopped cleanly (SIGTERM) and started again with the same id
-It heals after `--heal-min`..`--heal-max` seconds: stopped processes get SIGCONT, ended ones
-are started again with the same identity, ports, data folders and flags (etcd members
-first, then replicas, nodes, the router). A run with two events or more has at least one
-double fault and one quorum loss (the schedule makes sure of it).
+    partition     a node cut off from both metaserver replicas: its proxies blackhole (no
+                  byte goes either way, nothing is closed: both ends see only timeouts; the
+                  node keeps serving, its lookups, publishes and keepalives fail)
+    disk          a node's disk tier directory removed under the running node (the tier
+                  turns itself off at its next I/O, unpublishes what it held, and the node
+                  goes on from DRAM)
+It heals after `--heal-min`..`--heal-max` seconds: partitioned links forward again (the bytes
+held meanwhile are delivered, as TCP's retransmission would after a short partition; the
+node's session re-publishes after its first good keepalive), stopped processes get SIGCONT,
+a node that lost its disk is restarted cleanly (the tier made afresh, empty: a new disk),
+ended ones are started again with the same identity, ports, data folders and flags (etcd
+members first, then replicas, nodes, the router). A run with two events or more has at least
+one double fault and one quorum loss, one with four or more also a partition and a disk
+fault (the schedule makes sure of it).
 
 The checker's rules (any one broken: verdict FAIL, exit code 1):
   1. every answer equals, token for token, the greedy answer of a node without a connector
@@ -36,11 +49,11 @@ The checker's rules (any one broken: verdict FAIL, exit code 1):
   5. every process runs at the end, and no process's RSS (sampled every `--sample-s` s)
      is above `--rss-limit-mib`.
 
-TODO (later work, not built): network partitions (e.g. dropping a node's or an etcd
-member's loopback traffic with an nftables/iptables owner rule or a proxy in between) and a
-full disk under a node's disk tier (a small tmpfs or a loop device filled up), as further
-fault kinds of the nemesis; and the one-hour run (`--duration 3600`) recorded in
-docs/RELIABILITY.md.
+TODO (later work, not built): partitions elsewhere (between the nodes' transfer ports, or an
+etcd member cut off from its peers: the same proxy fits, the ports must then go through
+it); a full disk (ENOSPC) under a tier rather than a removed one (a small tmpfs or loop
+device needs root; tests/kvpool/test_disk.py has the unit test where root is there); and the
+one-hour run (`--duration 3600`) recorded in docs/RELIABILITY.md.
 """
 from __future__ import annotations
 
@@ -48,6 +61,7 @@ import argparse
 import itertools
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -70,7 +84,7 @@ BACKOFF_S = 0.5
 
 @dataclass(frozen=True)
 class Fault:
-    action: str                 # kill | stop | restart
+    action: str                 # kill | stop | restart | partition | disk
     targets: tuple[str, ...]    # node-i, ms-i, etcd-i (two of them: the quorum), router
 
     def __str__(self) -> str:
@@ -89,6 +103,8 @@ class Event:
 
 
 def _one_fault(rng: random.Random, kind: str) -> Fault:
+    if kind in ("partition", "disk"):  # a node's links to the metaservers; its disk tier
+        return Fault(kind, (f"node-{rng.randrange(NODES)}",))
     if kind == "node":
         return Fault(rng.choice(["kill", "stop", "restart"]), (f"node-{rng.randrange(NODES)}",))
     if kind == "ms":
@@ -101,7 +117,7 @@ def _one_fault(rng: random.Random, kind: str) -> Fault:
     return Fault(rng.choice(["kill", "stop"]), ("router",))
 
 
-KINDS = {"node": 0.3, "ms": 0.2, "etcd": 0.15, "quorum": 0.15, "router": 0.2}
+KINDS = {"node": 0.25, "ms": 0.15, "etcd": 0.12, "quorum": 0.12, "router": 0.16, "partition": 0.12, "disk": 0.08}
 
 
 def _faults(rng: random.Random, count: int, force: str = "") -> tuple[Fault, ...]:
@@ -121,7 +137,8 @@ def _faults(rng: random.Random, count: int, force: str = "") -> tuple[Fault, ...
 def schedule(seed: int, duration_s: float, interval: tuple[float, float] = (20, 60),
              heal: tuple[float, float] = (3, 10), double_p: float = 0.35) -> list[Event]:
     """The nemesis's events for `duration_s` seconds (nominal: restarts take longer), seeded.
-    Two events or more: at least one double fault and one quorum loss."""
+    Two events or more: at least one double fault and one quorum loss; four or more: also at
+    least one partition and one disk fault."""
     rng = random.Random(seed)
     events: list[Event] = []
     t = 0.0
@@ -131,6 +148,14 @@ def schedule(seed: int, duration_s: float, interval: tuple[float, float] = (20, 
             break
         events.append(Event(gap, _faults(rng, 2 if rng.random() < double_p else 1), heal_s))
         t += gap + heal_s
+    if len(events) >= 4:  # forced into event 1 or 2: the fixes below change only the first and the last
+        wanted = ("partition", "disk")
+        for kind in wanted:
+            if not any(f.action == kind for e in events for f in e.faults):
+                # one that holds neither kind, so the other one's fault stays
+                i = next((i for i in (1, 2) if all(f.action not in wanted for f in events[i].faults)), 1)
+                e = events[i]
+                events[i] = Event(e.at_s, _faults(rng, len(e.faults), force=kind), e.heal_s)
     if len(events) >= 2:
         if not any(len(e.faults) == 2 for e in events):
             e = events[0]
@@ -150,6 +175,7 @@ class ChaosCluster:
         from kvpool_harness.cluster import ClusterSpec, LocalCluster, clear_disks
         from kvpool_harness.processes import EtcdCluster, MetaserverProcess
         from kvpool_harness.router_node import RouterProcess
+        from kvpool_harness.tcp_proxy import TcpProxy
 
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_disks(run_dir)
@@ -157,13 +183,20 @@ class ChaosCluster:
         self.etcd = EtcdCluster(run_dir, ETCD)
         self.replicas = [MetaserverProcess(self.etcd.endpoints, run_dir / f"ms-{i}.log") for i in range(REPLICAS)]
         self.ms = ",".join(m.address for m in self.replicas)
+        # Each node reaches each replica through a proxy of its own (a partition cuts one
+        # node's links only); the router and the checker reach the replicas directly.
+        self.links = {f"node-{i}": [TcpProxy(m.address) for m in self.replicas] for i in range(NODES)}
         spec = ClusterSpec(nodes=NODES, model=args.model, pool_size=args.pool_size, pool_disk_size=args.pool_disk_size,
                            engine_args=self.engine_args)
-        self.nodes = [LocalCluster(run_dir, spec)._node(i, self.ms) for i in range(NODES)]  # with their disk tiers
+        local = LocalCluster(run_dir, spec)
+        self.nodes = [local._node(i, ",".join(p.address for p in self.links[f"node-{i}"]))  # with their disk tiers
+                      for i in range(NODES)]
         self.router = RouterProcess(run_dir / "router.log", [n.url for n in self.nodes], "prefix", self.ms,
                                     extra_args=("--model", args.model))
         self.frozen: set[str] = set()
         self.ended: set[str] = set()
+        self.partitioned: set[str] = set()
+        self.disk_lost: set[str] = set()    # nodes whose disk tier was removed: restarted at the heal
 
     def procs(self) -> dict[str, object]:
         return {**{f"etcd-{i}": m for i, m in enumerate(self.etcd.members)},
@@ -175,7 +208,15 @@ class ChaosCluster:
         proc = p.proc  # type: ignore[attr-defined]
         return proc.pid if proc is not None and proc.poll() is None else None
 
+    def disk_dir(self, name: str) -> Path:
+        """Node `name`'s disk tier directory (its `--pool-disk`)."""
+        args = list(self.procs()[name].extra_args)  # type: ignore[attr-defined]
+        return Path(args[args.index("--pool-disk") + 1])
+
     def up(self, timeout_s: float = 300) -> None:
+        for proxies in self.links.values():
+            for p in proxies:
+                p.start()
         self.etcd.start()
         for m in self.replicas:
             m.start()
@@ -188,7 +229,14 @@ class ChaosCluster:
     def apply(self, f: Fault) -> None:
         for name in f.targets:
             p = self.procs()[name]
-            if f.action == "stop":
+            if f.action == "partition":  # the node's bytes to and from the replicas stop, nothing closes
+                for proxy in self.links[name]:
+                    proxy.blackhole()
+                self.partitioned.add(name)
+            elif f.action == "disk":  # under the running node: its tier turns itself off, DRAM goes on
+                shutil.rmtree(self.disk_dir(name))
+                self.disk_lost.add(name)
+            elif f.action == "stop":
                 os.kill(self.pid(name), signal.SIGSTOP)  # type: ignore[arg-type]
                 self.frozen.add(name)
             else:  # kill: SIGKILL; restart: SIGTERM (a clean shutdown), started again at the heal
@@ -196,11 +244,19 @@ class ChaosCluster:
                 self.ended.add(name)
 
     def heal(self, timeout_s: float = 300) -> None:
+        for name in sorted(self.partitioned):
+            for proxy in self.links[name]:
+                proxy.heal()
+        self.partitioned.clear()
         for name in sorted(self.frozen):
             pid = self.pid(name)
             if pid is not None:
                 os.kill(pid, signal.SIGCONT)
         self.frozen.clear()
+        for name in sorted(self.disk_lost):  # a new disk: a clean restart, the tier made afresh (empty)
+            self.procs()[name].stop()  # type: ignore[attr-defined]
+            self.ended.add(name)
+        self.disk_lost.clear()
         ended, procs = sorted(self.ended), self.procs()
         etcd = [procs[n] for n in ended if n.startswith("etcd-")]
         for m in etcd:
@@ -227,6 +283,9 @@ class ChaosCluster:
         self.router.stop()
         for n in self.nodes:
             n.stop()
+        for proxies in self.links.values():
+            for p in proxies:
+                p.close()
         for m in self.replicas:
             m.stop()
         self.etcd.stop()

@@ -3,7 +3,8 @@
 `processes`: `ChildProcess` (a `python -m kvpool_cli ...` child), `EtcdProcess`,
 `MetaserverProcess`, `free_port`, `wait_serving`. `engine_node`: `EngineProcess` (one
 `kvpool serve` node), `http_json`, `read_api_key`. `cluster`: `LocalCluster` / `ClusterSpec`
-(etcd, a metaserver and N engine nodes) and the `kvpool cluster` subcommand.
+(etcd, a metaserver and N engine nodes) and the `kvpool cluster` subcommand. `tcp_proxy`:
+`TcpProxy`, a loopback TCP proxy that can cut its link as a partition would (chaos runs).
 
 Where it sits: below `kvpool_bench` and `kvpool_cli`, above `connector`, `engine`, `kvpool`
 and `metaserver`: it may import those (it starts them as child processes and speaks their

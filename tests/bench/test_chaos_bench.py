@@ -1,6 +1,7 @@
 """`kvpool bench chaos`: the nemesis's schedule (fast, no processes) and a short seeded run
 (slow: etcd x3, two metaserver replicas, two nodes with the real model and disk tiers, the
-router; faults every few seconds) whose checker must pass."""
+router; faults every few seconds, among them a partition and a removed disk tier) whose
+checker must pass."""
 from __future__ import annotations
 
 import json
@@ -33,26 +34,37 @@ def test_each_event_fits_its_bounds_and_heals_before_the_next(seed: int) -> None
         assert len(targets) == len(set(targets)), e            # two faults at once hit different processes
         assert sum(t.startswith("etcd-") for t in targets) <= 2 < ETCD  # never every etcd member
         for f in e.faults:
-            assert f.action in ("kill", "stop", "restart")
-            assert f.action != "restart" or f.targets[0].startswith("node-")
+            assert f.action in ("kill", "stop", "restart", "partition", "disk")
+            assert f.action not in ("restart", "partition", "disk") or f.targets[0].startswith("node-")
             assert len(f.targets) == 1 or f.quorum_loss
         t += e.at_s + e.heal_s
     assert t <= 60
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_run_has_a_double_fault_and_a_quorum_loss(seed: int) -> None:
+def test_a_run_has_a_double_fault_a_quorum_loss_a_partition_and_a_disk_fault(seed: int) -> None:
     events = schedule(seed, **SHORT)  # type: ignore[arg-type]
-    assert len(events) >= 2
+    assert len(events) >= 4
     assert any(len(e.faults) == 2 for e in events)
     assert any(f.quorum_loss for e in events for f in e.faults)
+    assert {"partition", "disk"} <= {f.action for e in events for f in e.faults}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_short_run_of_four_events_has_every_forced_kind_too(seed: int) -> None:
+    events = schedule(seed, 40, (4.0, 8.0), (2.0, 5.0))  # the slow test's timeline
+    if len(events) >= 4:
+        kinds = {f.action for e in events for f in e.faults}
+        assert {"partition", "disk"} <= kinds, events
+        assert any(len(e.faults) == 2 for e in events) and any(f.quorum_loss for e in events for f in e.faults)
 
 
 def test_the_long_schedule_covers_every_kind_of_fault() -> None:
     faults = {(f.action, f.targets[0].split("-")[0], f.quorum_loss) for e in schedule(0, 3600) for f in e.faults}
     for want in [("kill", "node", False), ("stop", "node", False), ("restart", "node", False),
                  ("kill", "ms", False), ("stop", "ms", False), ("kill", "etcd", False), ("stop", "etcd", False),
-                 ("kill", "etcd", True), ("stop", "etcd", True), ("kill", "router", False), ("stop", "router", False)]:
+                 ("kill", "etcd", True), ("stop", "etcd", True), ("kill", "router", False), ("stop", "router", False),
+                 ("partition", "node", False), ("disk", "node", False)]:
         assert want in faults, want
 
 
@@ -75,5 +87,7 @@ def test_short_chaos_run_passes_the_checker(tmp_path: Path) -> None:
     assert s["wrong"] == 0 and s["failed"] == 0 and s["late"] == 0 and not s["hung_clients"]
     assert all(s["checks"].values()), s["checks"]
     assert any(f["double"] for f in s["faults"]) and any(f["quorum_loss"] for f in s["faults"]), s["faults"]
+    kinds = {fault.split()[0] for f in s["faults"] for fault in f["faults"]}
+    assert {"partition", "disk"} <= kinds, s["faults"]
     assert s["answered"] >= 20 and s["retried"] >= 1
     assert "verdict: PASS" in proc.stdout
