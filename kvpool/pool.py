@@ -98,6 +98,10 @@ class NodePool:
         self.client = client
         self._publisher: Publisher | None = None
         self._session: NodeSession | None = None
+        # Blocks whose Unpublish failed (the metaserver unreachable): sent again before the
+        # session next re-publishes, unless held again by then (`_retry_unpublishes`).
+        self._lost_unpublishes: set[BlockHash] = set()
+        self._lost_lock = threading.Lock()
         self.disk = self._open_disk() if config.disk_enabled else None
         self._tiers = TierReads(config, self.disk, self.stats, self._reads, self.put, self._dram_record)
 
@@ -131,7 +135,8 @@ class NodePool:
                                     self.capacity_bytes, self.config.layout_fingerprint, self._holdings,
                                     self.config.lease_ttl_s, api_url=self.config.api_url,
                                     stage_address=self._stager.address if self._stager is not None else "",
-                                    on_published=self._count_published)
+                                    on_published=self._count_published,
+                                    before_publishing=self._retry_unpublishes)
         self._publisher = Publisher(self.client, self.config, self._is_current, self.stats,
                                     on_failure=self._session.resync)
         self._session.start()
@@ -343,8 +348,38 @@ class NodePool:
             try:
                 self.stats.unpublished += self.client.unpublish(self.config.node_id, part)
             except MetaError as err:
-                # Readers still validate the generation, so a stale entry only costs a miss.
+                # Readers still validate the generation, so a stale entry only costs a miss
+                # until the session sends it again (`_retry_unpublishes`, after its next keepalive).
                 log.warning("node %s: unpublish of %d %s blocks failed: %s", self.config.node_id, len(part), why, err)
+                with self._lost_lock:
+                    self._lost_unpublishes.update(part)
+                session = self._session
+                if session is not None:
+                    session.resync()
+
+    def _retry_unpublishes(self) -> None:
+        """Before the session re-publishes this node's holdings (after an outage, or a new
+        registration): send again the Unpublishes that failed, for the blocks not held again
+        since (re-publishing adds entries, it never removes one). Raises MetaError (the session
+        retries after its next keepalive; the blocks stay to send)."""
+        with self._lost_lock:
+            lost, self._lost_unpublishes = self._lost_unpublishes, set()
+        if not lost:
+            return
+        publisher = self._publisher
+        if publisher is not None:
+            publisher.wait_sent(lost)
+        on_disk = self.disk.blocks() if self.disk is not None else []
+        with self._lock:
+            held = set(self._lru) | {b.block_hash for b in on_disk}
+        gone = [h for h in lost if h not in held]
+        try:
+            for i in range(0, len(gone), UNPUBLISH_BATCH):
+                self.stats.unpublished += self.client.unpublish(self.config.node_id, gone[i:i + UNPUBLISH_BATCH])
+        except MetaError:
+            with self._lost_lock:
+                self._lost_unpublishes.update(gone)
+            raise
 
     # ---- disk tier ------------------------------------------------------------------
 

@@ -369,10 +369,14 @@ class NodeSession:
     def __init__(self, client: MetaClient, node_id: str, session_address: str, buffer_address: int,
                  capacity_bytes: int, layout_fingerprint: str, holdings: Callable[[], Sequence[BlockRecord]],
                  lease_ttl_s: int = 10, publish_batch: int = 4096, api_url: str = "",
-                 stage_address: str = "", on_published: Callable[[int], None] = lambda n: None) -> None:
-        """`on_published(n)`: n records of the holdings were (re-)published, acknowledged."""
+                 stage_address: str = "", on_published: Callable[[int], None] = lambda n: None,
+                 before_publishing: Callable[[], None] = lambda: None) -> None:
+        """`on_published(n)`: n records of the holdings were (re-)published, acknowledged.
+        `before_publishing()`: called before every re-publication of the holdings (the node
+        sends what it failed to unpublish meanwhile; a MetaError it raises is a failed resync)."""
         self.client = client
         self._on_published = on_published
+        self._before_publishing = before_publishing
         self.node_id = node_id
         self._args = (node_id, session_address, buffer_address, capacity_bytes, layout_fingerprint, lease_ttl_s,
                       api_url, stage_address)
@@ -405,6 +409,7 @@ class NodeSession:
                  self.registration.lease_id, n)
 
     def _publish_holdings(self) -> int:
+        self._before_publishing()
         records = list(self._holdings())
         for i in range(0, len(records), self._publish_batch):
             self._on_published(self.client.publish(self.node_id, records[i:i + self._publish_batch]))

@@ -459,3 +459,25 @@ def test_a_failed_publish_is_sent_again_and_counted(metaserver: MetaserverProces
         wait_for(lambda: pool.stats.published == 4, timeout_s=10)
     finally:
         pool.close()
+
+
+def test_an_unpublish_that_failed_is_sent_again_once_the_metaserver_answers(metaserver: MetaserverProcess) -> None:
+    """Evictions while the metaserver is frozen: their Unpublish fails at its deadline. Once it
+    answers again, the node's session sends it again before it re-publishes (re-publishing
+    only adds entries), so the index stops listing the evicted blocks and lists the rest."""
+    pool = make_pool(metaserver, "lost-unpublish", 8, evict_batch=2)
+    try:
+        hashes = fill(pool, 8)
+        extra = block_hash("extra", 0)
+        os.kill(metaserver.pid, signal.SIGSTOP)
+        try:
+            assert put_bytes(pool, extra, block_content(extra, BB))  # evicts 0 and 1; their unpublish fails
+            assert pool.stats.evictions == 2 and pool.stats.unpublished == 0
+        finally:
+            os.kill(metaserver.pid, signal.SIGCONT)
+        with MetaClient(metaserver.address) as c:
+            listed = lambda hs: c.query_prefix(NS, hs, sparse=True).num_held  # noqa: E731
+            wait_for(lambda: listed(hashes[:2]) == 0 and listed([extra]) == 1, timeout_s=60)
+            assert listed(hashes[2:]) == 6 and pool.stats.unpublished == 2
+    finally:
+        pool.close()
