@@ -100,16 +100,15 @@ def summarize(results: list[Result], wall_s: float, ttft_slo: float, tpot_slo: f
             "wall_s": wall_s}
 
 
-VLLM_BLOCK = 128  # vLLM-CPU's default block size
-
-
 def _vllm_counters(urls: list[str]) -> dict[str, float]:
     """The plug-in's counters on the vLLM servers' /metrics, summed, named as /stats names them."""
     from kvpool_harness.vllm_node import scrape
 
-    return {key: sum(scrape(u, f"kvpool:{key}_total") for u in urls)
-            for key in ("connector_loads", "connector_load_seconds", "connector_sent_blocks",
-                        "connector_loaded_blocks")}
+    out = {key: sum(scrape(u, f"kvpool:{key}_total") for u in urls)
+           for key in ("connector_loads", "connector_load_seconds", "connector_sent_blocks",
+                       "connector_loaded_blocks")}
+    out["external_hit_tokens"] = sum(scrape(u, "vllm:external_prefix_cache_hits_total") for u in urls)
+    return out
 
 
 def _counters(urls: list[str]) -> dict[str, float]:
@@ -146,13 +145,15 @@ def run_config(args: argparse.Namespace, config: str, requests: list[BenchReques
         after = counters(nodes)
     summary = summarize(results, wall, args.ttft_slo, args.tpot_slo)
     loads = after.get("connector_loads", 0) - before.get("connector_loads", 0)
-    # vLLM's usage does not say what was loaded: its loaded requests are those with a full block.
-    loaded = [r for r in results if not r.error and (r.prompt_tokens > VLLM_BLOCK if vllm else r.remote_hit_tokens)]
+    # vLLM's usage does not say what was loaded: in P/D its decode leg loads every prompt token
+    # but the last (connector.handoff), so every request of two tokens or more.
+    loaded = [r for r in results if not r.error and (r.prompt_tokens > 1 if vllm else r.remote_hit_tokens)]
     if config == "pd" and loads and loaded:  # colocated: the only loads are preempted requests' own blocks
         transfer = (after["connector_load_seconds"] - before["connector_load_seconds"]) / loads
         ttft = sum(r.ttft_s for r in loaded) / len(loaded)
         summary.update(transfer_mean_s=transfer, loaded_ttft_mean_s=ttft, transfer_share_of_ttft=transfer / ttft)
-    hit = (after.get("connector_loaded_blocks", 0) - before.get("connector_loaded_blocks", 0)) * VLLM_BLOCK if vllm \
+    # vLLM's own count of the tokens the connector offered (and loaded, unless a load failed).
+    hit = after.get("external_hit_tokens", 0) - before.get("external_hit_tokens", 0) if vllm \
         else sum(r.remote_hit_tokens for r in results if not r.error)
     summary.update(remote_hit_tokens=int(hit),
                    handoffs=after.get("connector_handoff_sends", 0) - before.get("connector_handoff_sends", 0),

@@ -89,7 +89,7 @@ def test_cluster_up_pd(tmp_path: Path) -> None:
         status, body = http_json(router + "/v1/completions", {"prompt": "The rivers of Europe are many. " * 8,
                                                               "max_tokens": 4, "temperature": 0})
         n = body["usage"]["prompt_tokens"]
-        assert status == 200 and body["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == (n - 1) // 16 * 16 > 0
+        assert status == 200 and body["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == n - 1 > 0  # all but the last
         assert http_json(prefill + "/stats", timeout_s=5)[1]["connector_handoff_sends"] == 1
         assert http_json(decode + "/stats", timeout_s=5)[1]["connector_handoff_loads"] == 1
     finally:
@@ -119,7 +119,7 @@ def test_cluster_up_vllm_pd(tmp_path: Path) -> None:
         with urllib.request.urlopen(decode + "/metrics", timeout=10) as resp:
             loaded = sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
                          if line.startswith(metric))
-        assert loaded == 3
+        assert loaded == 4  # 3 full blocks and the partial last one (the tail)
     finally:
         down = kvpool("cluster", "down", "--run-dir", str(run), timeout=120)
     assert down.returncode == 0
