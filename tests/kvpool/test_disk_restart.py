@@ -18,7 +18,8 @@ from kvpool.disk import DATA_FILE, disk_slot_bytes
 from kvpool.layout import HEADER_BYTES, MAGIC, SlotHeader, checksum, slot_bytes_for
 from kvpool_harness.processes import MetaserverProcess
 from metaserver.client import MetaClient
-from metaserver.types import Medium
+from metaserver.errors import NotFound
+from metaserver.types import Medium, QueryResult
 from tests.conftest import wait_for
 from tests.kvpool.pool_node import block_content
 
@@ -42,6 +43,16 @@ def slots_on_disk(path: Path) -> dict[bytes, tuple[int, bool]]:
         if hdr.block_hash not in found or found[hdr.block_hash][0] < hdr.generation:
             found[hdr.block_hash] = (hdr.generation, i * sb, ok)
     return {h: (off, ok) for h, (_, off, ok) in found.items()}
+
+
+def all_held(client: MetaClient, chain: list[bytes]) -> QueryResult | None:
+    """The index's answer once it lists every block of `chain` (None before; also while the
+    node registers again after a lost lease, when its namespace is unknown for a moment)."""
+    try:
+        q = client.query_prefix(NS, chain, "D", sparse=True)
+    except NotFound:
+        return None
+    return q if q.num_held == len(chain) else None
 
 
 def flip(path: Path, offset: int) -> None:
@@ -77,7 +88,9 @@ def test_kill_9_while_writing_then_warm_restart(metaserver: MetaserverProcess, t
     flip(disk / DATA_FILE, flipped_at + HEADER_BYTES + 100)
     bad = {flipped} | {h for h, (_, ok) in on_disk.items() if not ok}
 
-    cfg = PoolConfig("D", 4 * slot_bytes_for(BB), BB, NS, metaserver.address, lease_ttl_s=2, evict_batch=1,
+    # (The killed node's lease is 2 s, so that it lapses soon; this one's outlives a loaded
+    # machine's stalls: with 2 s, CI saw it lost twice and the namespace unknown meanwhile.)
+    cfg = PoolConfig("D", 4 * slot_bytes_for(BB), BB, NS, metaserver.address, lease_ttl_s=10, evict_batch=1,
                      disk_dir=str(disk), disk_size_bytes=DISK_BLOCKS * disk_slot_bytes(BB))
     pool = NodePool(cfg, MetaClient(metaserver.address))
     pool.start()
@@ -87,8 +100,7 @@ def test_kill_9_while_writing_then_warm_restart(metaserver: MetaserverProcess, t
         chain = list(on_disk)
         # Published with the registration; waited for, not assumed: on a loaded host a publish
         # can miss its deadline, and the node then re-publishes everything (the index converges).
-        r = wait_for(lambda: (q := client.query_prefix(NS, chain, "D", sparse=True)).num_held == len(chain) and q,
-                     timeout_s=30)
+        r = wait_for(lambda: all_held(client, chain), timeout_s=30)
         assert r.num_matched == len(chain)  # exactly the complete slots, each on D's disk
         assert all(loc.node_id == "D" and loc.medium == Medium.DISK for loc in r.locations)
         other = client.query_prefix(NS, chain, "other")  # offered to others: D stages its disk blocks
@@ -109,7 +121,7 @@ def test_kill_9_while_writing_then_warm_restart(metaserver: MetaserverProcess, t
         good = [h for h in chain if h not in bad]
         wait_for(lambda: all(client.query_prefix(NS, [h], "D").num_matched == 0 for h in bad))
         assert pool.flush_publishes()
-        wait_for(lambda: client.query_prefix(NS, good, "D", sparse=True).num_held == len(good), timeout_s=30)
+        wait_for(lambda: all_held(client, good), timeout_s=30)
         assert all(client.query_prefix(NS, [h], "D").num_matched == 0 for h in bad)
     finally:
         client.close()
