@@ -325,12 +325,13 @@ def test_frozen_source_never_read_before_fails_on_time_and_nothing_lands_later(m
 @pytest.mark.slow
 def test_lifecycle_republish_after_lost_lease_and_unregister_on_close(metaserver_factory) -> None:
     ms = metaserver_factory()
-    pool = make_pool(ms, "life", 8, lease_ttl_s=1)
+    # A 3 s lease: a 1 s one was lost again and again on a loaded machine before the outage.
+    pool = make_pool(ms, "life", 8, lease_ttl_s=3)
     try:
         hashes = fill(pool, 5)
         port = ms.port
         ms.kill()
-        time.sleep(2.5)  # the lease runs out while no metaserver relays keepalives
+        time.sleep(4.5)  # the lease runs out while no metaserver relays keepalives
         ms2 = metaserver_factory(port=port)
         with MetaClient(ms2.address) as c:
             def matched() -> int:
