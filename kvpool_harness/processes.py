@@ -37,15 +37,18 @@ class EtcdProcess:
     """One etcd member on 127.0.0.1; use as a context manager or call start()/stop()."""
 
     def __init__(self, data_dir: Path, client_port: int | None = None, peer_port: int | None = None,
-                 fast: bool = True, name: str = "kvpool-etcd", initial_cluster: str = "") -> None:
+                 fast: bool = True, name: str = "kvpool-etcd", initial_cluster: str = "",
+                 extra_args: tuple[str, ...] = ()) -> None:
         """`name` and `initial_cluster` (NAME=PEER_URL,...): a member of a multi-member
-        cluster (`EtcdCluster`); by default a cluster of one."""
+        cluster (`EtcdCluster`); by default a cluster of one. `extra_args`: more etcd flags
+        (e.g. auto-compaction, as deployed)."""
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.fast = fast  # short heartbeat/election: healthy in ~0.1 s (tests)
         self.name = name
         self.initial_cluster = initial_cluster
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_suffix(".log")
 
@@ -73,13 +76,17 @@ class EtcdProcess:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
-            exe, "--name", "kvpool-etcd", "--data-dir", str(self.data_dir), "--logger", "zap",
+            exe, "--name", self.name, "--data-dir", str(self.data_dir), "--logger", "zap",
             "--log-level", "warn", "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvpool-etcd={peer}",
+            # A member of a cluster names all its peers (ignored once its data folder exists:
+            # a member started again rejoins as itself).
+            "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
         ]
         if self.fast:
             args += ["--heartbeat-interval", "10", "--election-timeout", "100"]
+        args += list(self.extra_args)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -136,13 +143,13 @@ class EtcdCluster:
     own data folder RUN/etcd-<i> and free ports; a member started again (`members[i].start()`)
     keeps its folder and ports, so it rejoins as itself. `fast=False`: etcd's default
     heartbeat and election timeout (members that share busy cores with engine nodes would
-    otherwise hold elections all the time)."""
+    otherwise hold elections all the time). `extra_args`: more flags for every member."""
 
-    def __init__(self, run_dir: Path, size: int = 3, fast: bool = False) -> None:
+    def __init__(self, run_dir: Path, size: int = 3, fast: bool = False, extra_args: tuple[str, ...] = ()) -> None:
         ports = [(free_port(), free_port()) for _ in range(size)]
         initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
         self.members = [EtcdProcess(Path(run_dir) / f"etcd-{i}", client, peer, fast=fast, name=f"etcd-{i}",
-                                    initial_cluster=initial) for i, (client, peer) in enumerate(ports)]
+                                    initial_cluster=initial, extra_args=extra_args) for i, (client, peer) in enumerate(ports)]
 
     @property
     def endpoints(self) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_bench.chaos import ETCD, Fault, schedule
+from kvpool_bench.chaos import ETCD, Fault, conversations, rss_growth, schedule
 
 SHORT = {"duration_s": 60, "interval": (4.0, 8.0), "heal": (2.0, 5.0)}
 
@@ -73,13 +73,34 @@ def test_a_duration_too_short_for_one_fault_has_none() -> None:
     assert str(Fault("stop", ("etcd-0", "etcd-2"))) == "stop etcd-0+etcd-2"
 
 
+def test_conversations_come_round_again_after_distinct_batches() -> None:
+    def prompts(gen, n: int) -> list[tuple[int, ...]]:
+        return [r.prompt for _, conv in zip(range(n), gen) for r in conv]
+    cycled = prompts(conversations(3, 4, distinct=2), 24)  # 8 users x 4 rounds a batch: 3 batches
+    assert len(cycled) == 96 and cycled[:32] != cycled[32:64] and cycled[64:] == cycled[:32]
+    assert prompts(conversations(3, 4), 24)[:64] == cycled[:64]  # the same batches until then
+    assert prompts(conversations(3, 4), 24)[64:] != cycled[:32]  # never repeats without it
+
+
+def test_rss_growth_compares_the_end_with_the_first_sample_from_the_baseline() -> None:
+    mib = 2 ** 20
+    samples = [{"t_s": 0.0, "a": 90 * mib, "b": 50 * mib, "pids": {"a": 1, "b": 2}},
+               {"t_s": 10.0, "a": 100 * mib, "b": 0, "pids": {"a": 1, "b": None}},  # b down at the baseline
+               {"t_s": 12.0, "a": 105 * mib, "b": 60 * mib, "pids": {"a": 1, "b": 3}},
+               {"t_s": 20.0, "a": 115 * mib, "b": 66 * mib, "pids": {"a": 4, "b": 3}}]
+    g = rss_growth(samples, 10.0)
+    assert g["a"] == {"base_t_s": 10.0, "base": 100 * mib, "end": 115 * mib, "ratio": 1.15, "restarts": 1}
+    assert g["b"]["base_t_s"] == 12.0 and g["b"]["ratio"] == 1.1 and g["b"]["restarts"] == 0
+    assert rss_growth(samples, 30.0) == {}
+
+
 @pytest.mark.slow
 def test_short_chaos_run_passes_the_checker(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "chaos", "--seed", "1",
          "--warmup", "15", "--duration", "40", "--quiet", "15", "--interval-min", "4", "--interval-max", "8",
-         "--heal-min", "2", "--heal-max", "5", "--sample-s", "1", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
+         "--heal-min", "2", "--heal-max", "5", "--sample-s", "1", "--max-hit-drop", "0.2", "--run-dir", str(tmp_path / "run"), "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads(out.read_text())["summary"]

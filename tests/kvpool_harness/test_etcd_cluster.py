@@ -1,0 +1,40 @@
+"""`EtcdCluster`: three real etcd processes that form one cluster (one raft group), so a key
+written through one member is read through another, and two members down lose the quorum."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvpool_harness.processes import EtcdCluster
+
+pytestmark = pytest.mark.skipif(shutil.which("etcdctl") is None, reason="etcdctl not installed")
+
+
+def ctl(endpoint: str, *args: str, timeout: str = "3s") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["etcdctl", f"--endpoints=http://{endpoint}", f"--command-timeout={timeout}", *args],
+                          capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=60)
+
+
+def test_members_form_one_cluster_and_two_down_lose_the_quorum(tmp_path: Path) -> None:
+    with EtcdCluster(tmp_path, 3) as cluster:
+        a, b, c = cluster.members
+        members = ctl(a.endpoint, "member", "list")
+        assert members.returncode == 0, members.stderr
+        assert sorted(line.split(", ")[2] for line in members.stdout.splitlines()) == ["etcd-0", "etcd-1", "etcd-2"]
+        assert ctl(a.endpoint, "put", "k", "v1").returncode == 0
+        assert ctl(c.endpoint, "get", "k", "--print-value-only").stdout.strip() == "v1"  # one raft group
+
+        b.stop()  # one member down: the other two still make a quorum
+        assert ctl(a.endpoint, "put", "k", "v2").returncode == 0
+        c.stop()  # two down: no write commits
+        assert ctl(a.endpoint, "put", "k", "v3", timeout="2s").returncode != 0
+
+        for m in (b, c):  # started again with their folders: they rejoin as themselves
+            m.launch()
+        for m in (b, c):
+            m.wait_healthy(30)
+        assert ctl(b.endpoint, "get", "k", "--print-value-only").stdout.strip() == "v2"
