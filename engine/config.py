@@ -25,6 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     device: str = "auto"                   # auto = cuda if available, else cpu
     attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu (attention/cpu_backend.py)
+    kernels: str = "auto"                  # CPU float32 linears: auto (faster of C / oneDNN here), c or onednn
     served_model_name: str = ""            # name in the API; default: the model's own name
     kv_transfer_config: KVTransferConfig | None = None  # a KV connector (--kv-connector); None = local cache only
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None = off
@@ -38,6 +39,8 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes, max_num_batched_tokens and max_num_seqs must be positive")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kernels not in ("auto", "c", "onednn"):
+            raise ValueError(f"kernels must be auto, c or onednn, got {self.kernels!r}")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
         if self.long_prefill_token_threshold < 0:

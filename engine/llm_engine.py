@@ -66,7 +66,7 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         self.device = pick_device(config.device)
         self.model = LlamaModel(mc, loaded.weights, dtype, self.device,
-                                pick_attention(config.attention_backend, self.device))
+                                pick_attention(config.attention_backend, self.device), kernels=config.kernels)
         self.layout = CacheLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
         kvt = config.kv_transfer_config
         header_bytes = factory.connector_class(kvt).cache_header_bytes if kvt else 0
@@ -74,7 +74,8 @@ class LLMEngine:
         num_blocks = max(2, config.kv_cache_bytes // slot_bytes)
         self.cache = PagedKVCache(self.layout, num_blocks, header_bytes, self.device)
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        self.fingerprint = mc.layout_fingerprint(config.dtype, config.block_size)
+        # KV computed with other matmul kernels differs in its last bits: another namespace
+        self.fingerprint = mc.layout_fingerprint(config.dtype, config.block_size) + self.model.kernel_tag()
         self.block_pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool, config.block_size, self.fingerprint)
         self.connector, self.connector_worker = self._make_connectors(config)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import layer_ops
+from engine import kernel_choice, layer_ops
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKVCache
@@ -81,26 +81,31 @@ class Linear:
 
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, use_onednn: bool = True,
-                 panels: bool = False) -> None:
+                 panels: dict[str, bool] | None = None) -> None:
+        """`panels`: op name (qkv, o, gate_up, down) -> whether it runs on the C panel kernel."""
+        panels = panels or {}
         get = lambda name: w[prefix + name].to(dtype)  # noqa: E731
         self.in_norm = get("input_layernorm.weight")
         self.post_norm = get("post_attention_layernorm.weight")
         self.qkv = Linear(torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
-                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels)
-        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels)
+                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels.get("qkv", False))
+        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels.get("o", False))
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
         # Where the panels apply, silu(gate) * up comes out of the matmul itself (gated_panel_matmul).
-        self.gated = layer_ops.pack_gated_panels(gate_up) if panels and layer_ops.gated_packable(gate_up) else None
-        self.gate_up = None if self.gated is not None else Linear(gate_up, use_onednn, panels)
-        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels)
+        gated = panels.get("gate_up", False) and layer_ops.gated_packable(gate_up)
+        self.gated = layer_ops.pack_gated_panels(gate_up) if gated else None
+        self.gate_up = None if self.gated is not None else Linear(gate_up, use_onednn, panels.get("gate_up", False))
+        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels.get("down", False))
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, attention: AttentionFn, use_onednn: bool = True,
-                 fused_ops: bool = True) -> None:
+                 fused_ops: bool = True, kernels: str = "auto") -> None:
         """`fused_ops`: on CPU in float32, the elementwise steps run as fused C calls
-        (engine/layer_ops.py) where that library builds; False keeps the torch ops."""
+        (engine/layer_ops.py) where that library builds; False keeps the torch ops.
+        `kernels`: the linears' matmul there, per op (engine/kernel_choice.py): auto (the faster
+        of our C panel kernel and oneDNN on this CPU, batch-invariant either way), c or onednn."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -108,9 +113,13 @@ class LlamaModel:
         self.op_timer: OpTimer | None = None  # engine.op_timer; set by `kvpool bench engine --ops`
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
-        panels = fused_ops  # where they apply (CPU float32, the library built): layer_ops.panels_packable
+        self.kernel_choices = self._choose_kernels(config, kernels) if fused_ops and use_onednn \
+            and layer_ops.usable(self.embed) and _onednn_available() else {}
+        # where the C kernel is chosen (or there is no choice: oneDNN or torch are not there)
+        panels = {name: fused_ops and (name not in self.kernel_choices or c.kernel == kernel_choice.C)
+                  for name, c in [(n, self.kernel_choices.get(n)) for n in ("qkv", "o", "gate_up", "down", "lm_head")]}
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
-                              panels)
+                              panels["lm_head"])
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
                              f"model.layers.{i}.", dtype, use_onednn, panels) for i in range(config.num_layers)]
@@ -124,6 +133,20 @@ class LlamaModel:
         self.scale = hd ** -0.5
         self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
 
+    @staticmethod
+    def _choose_kernels(config: ModelConfig, mode: str) -> dict[str, kernel_choice.Choice]:
+        c, hd = config, config.head_dim
+        ops = [kernel_choice.Op("qkv", (c.num_heads + 2 * c.num_kv_heads) * hd, c.hidden_size),
+               kernel_choice.Op("o", c.hidden_size, c.num_heads * hd),
+               kernel_choice.Op("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
+               kernel_choice.Op("down", c.hidden_size, c.intermediate_size),
+               kernel_choice.Op("lm_head", c.vocab_size, c.hidden_size, head=True)]
+        return kernel_choice.choose(ops, mode)
+
+    def kernel_tag(self) -> str:
+        """The KV layout fingerprint's part for the linears' kernels (empty: all C, as by default)."""
+        return kernel_choice.tag(self.kernel_choices)
+
     @torch.inference_mode()
     def kernels(self) -> dict[str, str]:
         """Which implementation each operation runs here (`kvpool bench engine` prints it): the
@@ -135,11 +158,17 @@ class LlamaModel:
                              device=self.device)
         q = torch.empty((1, self.config.num_heads, self.config.head_dim), dtype=self.dtype, device=self.device)
         cpu_attention = getattr(self.attention, "__module__", "").endswith("cpu_backend")
+
+        def op(name: str, lin: Linear | None, impl: str = "") -> str:  # and how it was chosen
+            choice = self.kernel_choices.get(name)
+            return (impl or linear(lin)) + (f" [{choice.describe()}]" if choice else "")  # type: ignore[arg-type]
         return {
-            "qkv / o / down projections": ", ".join(sorted({linear(first.qkv), linear(first.o), linear(first.down)})),
-            "gate+up projection and SiLU": "C gated panels (fused)" if first.gated is not None
-            else f"{linear(first.gate_up)} + separate SiLU",
-            "lm head": linear(self.lm_head),
+            "qkv projection": op("qkv", first.qkv),
+            "o projection": op("o", first.o),
+            "gate+up projection and SiLU": op("gate_up", None, "C gated panels (fused)" if first.gated is not None
+                                              else f"{linear(first.gate_up)} + separate SiLU"),  # type: ignore[arg-type]
+            "down projection": op("down", first.down),
+            "lm head": op("lm_head", self.lm_head),
             "norms, RoPE, SiLU": "C layer ops" if layer_ops.usable(self.embed) else "torch",
             "attention, decode": ("C paged decode" if cpu_kernel.supports(blocks, q.shape[1], blocks.shape[4])
                                   else "torch SDPA") if cpu_attention else "Triton paged attention",

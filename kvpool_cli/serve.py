@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--kernels", default="auto", choices=["auto", "c", "onednn"],
+                   help="CPU float32 linears: auto = per op, the faster of our C panel kernel and oneDNN on this "
+                        "CPU (timed once per CPU model, cached in ~/.cache/kvpool/kernels.json)")
     p.add_argument("--speculative-config", default="",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
@@ -127,7 +130,7 @@ def engine_config(args: argparse.Namespace):  # noqa: ANN201
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, device=args.device,
-                        attention_backend=args.attention_backend,
+                        attention_backend=args.attention_backend, kernels=args.kernels,
                         # as vLLM: the API serves the name the user started it with; the KV
                         # fingerprint keeps the model's own name (LLMEngine), not this alias
                         served_model_name=args.served_model_name or args.model,

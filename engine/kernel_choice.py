@@ -1,0 +1,230 @@
+"""Which matmul each of the model's linears runs on this CPU: our C panel kernel
+(engine/layer_ops.py) or oneDNN's packed GEMM (torch), chosen by timing both at the model's
+shapes on the machine the engine runs on.
+
+The C kernel was tuned on one CPU (AMD Zen 4); on another, oneDNN may be faster for some
+shapes. `choose` keeps the faster one per weight shape, under these rules:
+
+- One kernel per weight shape, for every batch size: an output row's bits never depend on
+  the batch it was computed in (the pool's equality rests on it: a prefix hit's suffix runs in
+  a smaller batch than a full prefill). The C kernel is batch-invariant by construction;
+  oneDNN is eligible only where its rows come out bit-identical at every probed batch size
+  (`PROBE_BATCHES`); on Zen 4 its down projection is not (batch 1 takes another path).
+- oneDNN is taken only when it ran at least `MARGIN` faster over the batch mix (the sum of
+  each batch size's fastest call at `BATCHES`, the two kernels' calls interleaved: a load
+  from elsewhere only ever adds time, so the fastest call is the kernel's own), so noise does
+  not flip a near tie: where the C kernel ties or wins it stays (today's choice on the CPU it
+  was tuned on). A first round that favours oneDNN is timed again `CONFIRM_ROUNDS` times,
+  and every round must agree (a burst of load on the machine must not decide).
+- The choice is cached per (CPU model, torch version, shape) in
+  $XDG_CACHE_HOME/kvpool/kernels.json (~/.cache by default), read and written under a file
+  lock: every engine on one machine, started together or not, with any `--threads`, runs the
+  same kernels, so the KV blocks they share and the answers they give are bit-identical; a
+  machine calibrates once per CPU model and shape (with the threads of the first engine that
+  needed it). Delete the file to calibrate again.
+- A choice other than the C kernel is named in the KV layout fingerprint (`tag`): blocks
+  computed with other kernels are another namespace, never mixed with these.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+C, ONEDNN = "c", "onednn"
+MODES = ("auto", C, ONEDNN)
+MARGIN = 0.15                     # oneDNN must be this much faster (fraction of the C kernel's time)
+BATCHES = (1, 8, 64, 512)         # decode batch sizes and a prefill chunk's rows
+HEAD_BATCHES = (1, 8, 64)         # the lm head runs on the sampled rows only
+PROBE_BATCHES = (*range(1, 65), 96, 128, 200, 256, 333, 512, 1000, 2048)
+REPEATS = 7
+CONFIRM_ROUNDS = 2
+
+
+@dataclass(frozen=True)
+class Op:
+    """One linear of the model: its weight's shape and how it is used. `gated`: the MLP's
+    gate+up projection followed by SiLU-and-multiply (the C kernel fuses both)."""
+    name: str
+    out_dim: int
+    in_dim: int
+    gated: bool = False
+    head: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.out_dim}x{self.in_dim}{'-gated' if self.gated else ''}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str                   # C or ONEDNN
+    c_s: float = 0.0              # summed fastest calls over the batch mix (0: not timed)
+    onednn_s: float = 0.0
+    invariant: bool | None = None  # oneDNN's rows bit-identical at every probed batch (None: not probed)
+    source: str = "default"       # default | calibrated | cached | forced
+
+    def describe(self) -> str:
+        """How it was chosen, e.g. "calibrated: oneDNN / C time 1.36"."""
+        if not self.c_s:
+            return self.source
+        note = "" if self.invariant is not False else ", oneDNN's rows depend on the batch"
+        return f"{self.source}: oneDNN / C time {self.onednn_s / self.c_s:.2f}{note}"
+
+
+def faster(c_s: float, onednn_s: float) -> bool:
+    return onednn_s <= (1 - MARGIN) * c_s
+
+
+def decide(c_s: float, onednn_s: float, invariant: Callable[[], bool],
+           again: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)) -> tuple[str, bool | None]:
+    """The rule: oneDNN only if at least MARGIN faster in the first round and in each of
+    CONFIRM_ROUNDS more (`again` times one), and batch-invariant (probed only then)."""
+    if not faster(c_s, onednn_s) or not all(faster(*again()) for _ in range(CONFIRM_ROUNDS)):
+        return C, None
+    ok = invariant()
+    return (ONEDNN if ok else C), ok
+
+
+# ---- timing and probing the two kernels on random weights of the op's shape ------------------
+
+def _kernels(op: Op, seed: int = 0) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    from engine import layer_ops
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(op.out_dim, op.in_dim, generator=g) * op.in_dim ** -0.5
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+
+    def onednn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return layer_ops.silu_mul(y) if op.gated else y
+
+    if op.gated:
+        panels = layer_ops.pack_gated_panels(w)
+        return (lambda x: layer_ops.gated_panel_matmul(x, panels)), onednn
+    panels = layer_ops.pack_panels(w)
+    return (lambda x: layer_ops.panel_matmul(x, panels)), onednn
+
+
+def time_both(op: Op, batches: Iterable[int]) -> tuple[float, float]:
+    """Summed seconds of (C, oneDNN) over `batches`: each batch size's fastest of REPEATS
+    calls, the two kernels' calls interleaved (a load that comes and goes weighs on both)."""
+    c_fn, onednn_fn = _kernels(op)
+    c_total = onednn_total = 0.0
+    with torch.inference_mode():
+        for m in batches:
+            x = torch.randn(m, op.in_dim)
+            c_fn(x), onednn_fn(x)  # warm: first-touch of buffers, oneDNN's primitive cache
+            c_t, o_t = [], []
+            for _ in range(REPEATS):
+                for fn, out in ((c_fn, c_t), (onednn_fn, o_t)):
+                    t0 = time.perf_counter()
+                    fn(x)
+                    out.append(time.perf_counter() - t0)
+            c_total += min(c_t)
+            onednn_total += min(o_t)
+    return c_total, onednn_total
+
+
+def onednn_invariant(op: Op, batches: Iterable[int] = PROBE_BATCHES) -> bool:
+    """oneDNN's rows for the first m inputs equal its rows for all of them, bit for bit, at
+    every m in `batches` (and a row alone at an offset)."""
+    _, onednn_fn = _kernels(op)
+    batches = list(batches)
+    x = torch.randn(max(batches), op.in_dim, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = onednn_fn(x)
+        if not torch.equal(onednn_fn(x[5:6].contiguous()), full[5:6]):
+            return False
+        return all(torch.equal(onednn_fn(x[:m].contiguous()), full[:m]) for m in batches)
+
+
+def calibrate(op: Op) -> Choice:
+    batches = HEAD_BATCHES if op.head else BATCHES
+    c_s, onednn_s = time_both(op, batches)
+    kernel, invariant = decide(c_s, onednn_s, lambda: onednn_invariant(op), lambda: time_both(op, batches))
+    return Choice(kernel, c_s, onednn_s, invariant, "calibrated")
+
+
+# ---- the cache ---------------------------------------------------------------------------
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvpool" / "kernels.json"
+
+
+def machine_key() -> str:
+    """What a calibration is valid for besides the shape: the CPU model and torch's version
+    (not the thread count: engines on one machine must agree whatever their --threads)."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}|torch {torch.__version__}"
+
+
+def choose(ops: Iterable[Op], mode: str = "auto", path: Path | None = None,
+           measure: Callable[[Op], Choice] = calibrate) -> dict[str, Choice]:
+    """op name -> its kernel. `mode` C / ONEDNN: that kernel for every op (no timing); auto:
+    the cached choice for this machine, or `measure` it now and cache it. A cache that cannot
+    be read or written is worked around (logged): the choice is then this process's alone."""
+    ops = list(ops)
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {MODES}, got {mode!r}")
+    if mode != "auto":
+        return {op.name: Choice(mode, source="forced") for op in ops}
+    path = path or cache_path()
+    machine = machine_key()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one calibration at a time; the next reads its result
+            return _choose_locked(ops, path, machine, measure)
+    except OSError as err:
+        log.warning("kernel choice cache %s unusable (%s): calibrating for this process only", path, err)
+        return {op.name: measure(op) for op in ops}
+
+
+def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[Op], Choice]) -> dict[str, Choice]:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    entries = cache.setdefault(machine, {})
+    out, changed = {}, False
+    for op in ops:
+        hit = entries.get(op.key)
+        if hit and hit.get("kernel") in (C, ONEDNN):
+            out[op.name] = Choice(hit["kernel"], hit.get("c_s", 0.0), hit.get("onednn_s", 0.0), hit.get("invariant"),
+                                  "cached")
+            continue
+        choice = measure(op)
+        out[op.name] = choice
+        entries[op.key] = {"kernel": choice.kernel, "c_s": choice.c_s, "onednn_s": choice.onednn_s,
+                           "invariant": choice.invariant}
+        changed = True
+        log.info("kernel for %s (%s): %s (%s)", op.name, op.key, choice.kernel, choice.describe())
+    if changed:
+        tmp = path.with_suffix(f".tmp.{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    return out
+
+
+def tag(choices: dict[str, Choice]) -> str:
+    """The layout fingerprint's part for these choices: empty when every op runs the C kernel."""
+    other = sorted(name for name, c in choices.items() if c.kernel != C)
+    return f"|onednn:{','.join(other)}" if other else ""

@@ -1,0 +1,129 @@
+"""engine/kernel_choice.py: the rule (oneDNN only when clearly faster and batch-invariant), the
+per-machine cache under a lock, and the engine wired to it (the real model)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernel_choice as kc
+from tests.engine.conftest import make_engine, run_all
+
+OPS = [kc.Op("qkv", 960, 576), kc.Op("gate_up", 3072, 576, gated=True), kc.Op("lm_head", 4096, 576, head=True)]
+
+
+def never() -> bool:
+    raise AssertionError("probed although oneDNN was not faster by the margin")
+
+
+def test_onednn_is_taken_only_when_faster_by_the_margin_and_batch_invariant() -> None:
+    assert kc.decide(1.0, 1.0 - kc.MARGIN / 2, never) == (kc.C, None)    # a near tie: C stays
+    assert kc.decide(1.0, 1.2, never) == (kc.C, None)
+    assert kc.decide(1.0, 0.5, lambda: True) == (kc.ONEDNN, True)
+    assert kc.decide(1.0, 0.5, lambda: False) == (kc.C, False)         # faster, but rows depend on the batch
+    rounds = iter([(1.0, 0.5), (1.0, 1.1)])                           # a burst in the first round only
+    assert kc.decide(1.0, 0.5, never, lambda: next(rounds)) == (kc.C, None)
+    assert kc.decide(1.0, 0.5, lambda: True, lambda: (1.0, 0.6)) == (kc.ONEDNN, True)
+
+
+def test_the_choice_is_measured_once_per_machine_and_shape_then_read(tmp_path: Path) -> None:
+    path = tmp_path / "kernels.json"
+    measured: list[str] = []
+
+    def measure(op: kc.Op) -> kc.Choice:
+        measured.append(op.name)
+        return kc.Choice(kc.ONEDNN if op.name == "qkv" else kc.C, 1.0, 0.5, True, "calibrated")
+
+    first = kc.choose(OPS, "auto", path, measure)
+    assert measured == ["qkv", "gate_up", "lm_head"] and first["qkv"].kernel == kc.ONEDNN
+    cached = kc.choose(OPS, "auto", path, lambda op: pytest.fail("measured again"))
+    assert {n: c.kernel for n, c in cached.items()} == {n: c.kernel for n, c in first.items()}
+    assert {c.source for c in cached.values()} == {"cached"}
+    assert kc.tag(cached) == "|onednn:qkv" and kc.tag(kc.choose(OPS, "c")) == ""
+    assert list(json.loads(path.read_text())) == [kc.machine_key()]
+    torch_threads = torch.get_num_threads()
+    try:  # engines with another thread count run the same kernels (their KV and answers agree)
+        torch.set_num_threads(1 if torch_threads != 1 else 2)
+        assert kc.choose(OPS, "auto", path, lambda op: pytest.fail("measured again"))["qkv"].kernel == kc.ONEDNN
+    finally:
+        torch.set_num_threads(torch_threads)
+    kc.choose([kc.Op("down", 576, 1536)], "auto", path, measure)  # a new shape: measured, added
+    assert measured[-1] == "down" and len(json.loads(path.read_text())[kc.machine_key()]) == 4
+
+
+def test_forced_modes_measure_nothing_and_bad_modes_are_refused(tmp_path: Path) -> None:
+    forced = kc.choose(OPS, "onednn", tmp_path / "k.json", lambda op: pytest.fail("measured"))
+    assert {c.kernel for c in forced.values()} == {kc.ONEDNN} and not (tmp_path / "k.json").exists()
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kc.choose(OPS, "fastest")
+
+
+def test_engines_calibrating_at_once_end_with_one_choice(tmp_path: Path) -> None:
+    """Two processes, each of whose measurement would choose differently: the lock makes the
+    second read the first's choice (nodes on one machine must share bit-identical KV)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from engine import kernel_choice as kc
+        here = Path({str(tmp_path)!r})
+        (here / ("ready-" + sys.argv[1])).touch()
+        while len(list(here.glob("ready-*"))) < 2:  # both imported: they call choose together
+            time.sleep(0.01)
+        def measure(op):
+            time.sleep(2.0)
+            return kc.Choice(sys.argv[1], 1.0, 0.5, True, "calibrated")
+        got = kc.choose([kc.Op("qkv", 960, 576)], "auto", here / "kernels.json", measure)
+        print(got["qkv"].kernel)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, kind], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2]) for kind in (kc.C, kc.ONEDNN)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs[0] == outs[1] and outs[0] in (kc.C, kc.ONEDNN), outs
+
+
+def test_an_unwritable_cache_still_gives_a_choice(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    got = kc.choose(OPS[:1], "auto", blocked / "kvpool" / "kernels.json",
+                    lambda op: kc.Choice(kc.C, 1.0, 2.0, None, "calibrated"))
+    assert got["qkv"].kernel == kc.C
+
+
+def test_the_probe_compares_rows_bit_for_bit() -> None:
+    """The real probe on oneDNN at a small shape answers; where it says invariant, a row
+    computed alone equals the same row in a batch of 64."""
+    op = kc.Op("o", 64, 96)
+    if kc.onednn_invariant(op, batches=(1, 2, 63, 64)):
+        _, onednn = kc._kernels(op)
+        x = torch.randn(64, 96)
+        assert torch.equal(onednn(x[7:8].contiguous()), onednn(x)[7:8])
+
+
+def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from engine.request import SamplingParams
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    c = make_engine(loaded, kv_cache_bytes=16 << 20, kernels="c")
+    o = make_engine(loaded, kv_cache_bytes=16 << 20, kernels="onednn")
+    auto = make_engine(loaded, kv_cache_bytes=16 << 20)
+    try:
+        assert c.fingerprint + "|onednn:down,gate_up,lm_head,o,qkv" == o.fingerprint
+        assert "C gated panels" in c.model.kernels()["gate+up projection and SiLU"]
+        assert o.model.kernels()["qkv projection"].startswith("oneDNN packed")
+        chosen = {n: ch.kernel for n, ch in auto.model.kernel_choices.items()}
+        assert sorted(chosen) == ["down", "gate_up", "lm_head", "o", "qkv"]
+        assert auto.fingerprint == c.fingerprint + kc.tag(auto.model.kernel_choices)
+        assert (tmp_path / "kvpool" / "kernels.json").exists()
+        for ch in auto.model.kernel_choices.values():  # oneDNN only where it was probed invariant
+            assert ch.kernel == kc.C or ch.invariant is True
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        outs = [run_all(e, ["The capital of France is"], params)[0].token_ids for e in (c, o, auto)]
+        assert all(len(x) == 8 for x in outs)
+    finally:
+        for e in (c, o, auto):
+            e.close()
