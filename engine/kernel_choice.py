@@ -46,6 +46,7 @@ MARGIN = 0.15                     # oneDNN must be this much faster (fraction of
 BATCHES = (1, 8, 64, 512)         # decode batch sizes and a prefill chunk's rows
 HEAD_BATCHES = (1, 8, 64)         # the lm head runs on the sampled rows only
 PROBE_BATCHES = (*range(1, 65), 96, 128, 200, 256, 333, 512, 1000, 2048)
+HEAD_PROBE_BATCHES = (*range(1, 65), 96, 128, 256)  # sampled rows: up to max_num_seqs
 REPEATS = 7
 CONFIRM_ROUNDS = 2
 
@@ -151,7 +152,8 @@ def onednn_invariant(op: Op, batches: Iterable[int] = PROBE_BATCHES) -> bool:
 def calibrate(op: Op) -> Choice:
     batches = HEAD_BATCHES if op.head else BATCHES
     c_s, onednn_s = time_both(op, batches)
-    kernel, invariant = decide(c_s, onednn_s, lambda: onednn_invariant(op), lambda: time_both(op, batches))
+    probe = HEAD_PROBE_BATCHES if op.head else PROBE_BATCHES
+    kernel, invariant = decide(c_s, onednn_s, lambda: onednn_invariant(op, probe), lambda: time_both(op, batches))
     return Choice(kernel, c_s, onednn_s, invariant, "calibrated")
 
 

@@ -662,5 +662,8 @@ def main(args: argparse.Namespace) -> int:
               "schedule": [{"at_s": e.at_s, "faults": [str(f) for f in e.faults], "heal_s": e.heal_s} for e in events],
               "summary": s, "rss_samples": sampler.samples,
               "requests": [{k: v for k, v in asdict(o).items() if k not in ("prompt", "output")} for o in outs]}
-    write_report(args.out or str(run_dir / "report.json"), report)
+    out = Path(args.out or run_dir / "report.json")
+    write_report(str(out), report)
+    from kvpool_bench.chaos_plot import plot
+    print(f"timeline: {plot(report, out.with_name(out.stem + '-timeline.png'))}")
     return 0 if s["verdict"] == "PASS" else 1

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_bench.chaos import ETCD, Fault, conversations, rss_growth, schedule
+from kvpool_bench.chaos_plot import windows
 
 SHORT = {"duration_s": 60, "interval": (4.0, 8.0), "heal": (2.0, 5.0)}
 
@@ -112,3 +113,14 @@ def test_short_chaos_run_passes_the_checker(tmp_path: Path) -> None:
     assert {"partition", "disk"} <= kinds, s["faults"]
     assert s["answered"] >= 20 and s["retried"] >= 1
     assert "verdict: PASS" in proc.stdout
+    assert (tmp_path / "report-timeline.png").stat().st_size > 10_000
+
+
+def test_the_timeline_windows_count_hits_ttft_and_failed_attempts() -> None:
+    reqs = [{"start_s": 1.0, "answered": True, "prompt_tokens": 100, "hit_tokens": 50, "ttft_s": 0.2, "attempts": 1},
+            {"start_s": 5.0, "answered": True, "prompt_tokens": 100, "hit_tokens": 100, "ttft_s": 0.4, "attempts": 3},
+            {"start_s": 25.0, "answered": False, "prompt_tokens": 100, "hit_tokens": 0, "ttft_s": 0.0, "attempts": 2}]
+    w = windows(reqs, 20.0)
+    assert [x["t_s"] for x in w] == [10.0, 30.0]
+    assert w[0]["hit_rate"] == 0.75 and w[0]["failed_attempts"] == 2 and w[0]["ttft_p50"] in (0.2, 0.3, 0.4)
+    assert w[1]["hit_rate"] is None and w[1]["ttft_p50"] is None and w[1]["failed_attempts"] == 2
