@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="a closed loop of this many requests in flight instead of the trace's arrival times "
                         "(as `kvpool bench cross-node` without --time-scale); 0 = arrival times")
     p.add_argument("--sweep", default="", help="KEY=V1,V2,...: one run per value (nodes, pool, kv-cache, policy)")
+    p.add_argument("--sync-loads", action="store_true",
+                   help="load inside the prefill's engine step (the first version's model) instead of "
+                        "asynchronously from arrival, as the real connectors do")
     p.add_argument("--no-oracles", action="store_true", help="skip the LRU / Belady oracles (faster)")
     p.add_argument("--json", default="", help="write the report (every run) to this file")
     c = p.add_argument_group("calibrate (kvpool_plan.calibrate)")
@@ -145,6 +148,9 @@ def report(s: dict) -> str:
         f"TTFT p50 / p99      {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} s  "
         f"(queueing p50 / p99 {s['queue_p50_s']:.3f} / {s['queue_p99_s']:.3f} s)",
         f"TPOT p50 / p99      {1000 * s['tpot_p50_s']:.1f} / {1000 * s['tpot_p99_s']:.1f} ms",
+        (f"loads               {s['loads']} asynchronous, done p50 / p99 {s['load_done_p50_s']:.3f} / "
+         f"{s['load_done_p99_s']:.3f} s after arrival; failed reads {s['failed_read_tokens']:,} tokens"
+         if s.get("async_loads") else "loads               inside the prefill's step (--sync-loads)"),
         f"bytes moved         {_gib(s['bytes_moved'])} over {s['links_used']} links (busiest link "
         f"{_gib(s['link_bytes_max'])}; most into one node {_gib(s['node_in_bytes_max'])}, "
         f"out of one {_gib(s['node_out_bytes_max'])})",
@@ -253,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(f"--trace {args.trace}: {err}") from None
         try:
-            cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile)
+            cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile,
+                            async_loads=not args.sync_loads)
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
         s = summarize(simulate(reqs, cfg, concurrency), with_oracles=not args.no_oracles)

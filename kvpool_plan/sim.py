@@ -26,24 +26,42 @@ its chunk together with everything before it, so this is the chained hash's iden
 without hashing tokens; `tests/plan` checks it against the token-level oracle). Output
 blocks are new to every request (a model's output is not in the trace).
 
-Simplifications of this first version (each a place where the real cluster may differ):
+Loads are asynchronous, as both real engines' (`SimConfig.async_loads`, on by default):
+- the index is looked up at arrival (the connector's `on_new_request`); the request joins
+  its node's queue;
+- at the first step boundary after arrival (at once on an idle node: where the engine's
+  scheduler first considers it), its local hit is read from the node's KV cache and, if the
+  arrival's lookup holds a run after it, the load is issued (the step's `begin_step`): the
+  request leaves the queue (WAITING_FOR_REMOTE_KVS) while the node keeps stepping the
+  others. A block that left its pool since the lookup is a failed read: the hit ends there
+  and the rest is recomputed;
+- when the load has finished it goes back into the queue in its arrival place, so it is
+  prefilled (only the tokens no tier held) at the first step boundary after the load, if
+  nothing that arrived before it waits;
+- a request the connector offered nothing is prefilled from the queue as before, its local
+  hit read when its prefill starts.
+With `async_loads=False`, the first version's model: the lookup and the load are made when
+the prefill starts, inside the engine step that prefills.
+
+Simplifications (each a place where the real cluster may differ):
 - a node runs engine steps one after another; a step prefills at most one prompt (the next
   queued, first come first served), whole (no chunked prefill, no batch of prompts), and
-  gives every request already generating there one token: it costs the prompt's load and
-  prefill (by the tokens it computes) plus the decode step at that batch. So prefills
-  stall decodes and decodes slow prefills, as in a mixed batch; TPOT is (end - first
-  token) / (output tokens - 1);
-- the lookup is made when the prefill starts (the connector looks up at arrival; a block
-  evicted in between is a failed read there, a miss here); a load is `latency + bytes /
-  link rate` of the reader's link (own-pool blocks at the memcpy rate), parallel sources
-  sharing that link;
-- a node's KV cache is an LRU of blocks with nothing pinned (running requests' blocks can
-  be evicted from it while they decode; the engine would keep them);
+  gives every request already generating there one token: it costs the prompt's prefill
+  (by the tokens it computes; its load too with `async_loads=False`) plus the decode step
+  at that batch. So prefills stall decodes and decodes slow prefills, as in a mixed batch;
+  TPOT is (end - first token) / (output tokens - 1);
+- a load is `latency + bytes / link rate` of the reader's link (own-pool blocks at the
+  memcpy rate), parallel sources sharing that link; a node's loads run one after another
+  (one starts when the one before it has finished), so loads that overlap share the link
+  as a whole without modelling their interleaving; a failed read costs no time;
+- the local hit of a loading request is kept while it loads (the engine has allocated its
+  blocks), but a node's KV cache is otherwise an LRU of blocks with nothing pinned (running
+  requests' blocks can be evicted from it while they decode; the engine would keep them);
 - no disk tier yet.
 
-TTFT = queueing (earlier prompts, the step under way) + load + prefill (+ the decode step
-it shares); the report states per-tier hits in prompt tokens, as
-`kvpool bench cross-node` counts them.
+TTFT = queueing (earlier prompts, the step under way) + load + the wait for the step
+boundary after it + prefill (+ the decode step it shares); the report states per-tier hits
+in prompt tokens, as `kvpool bench cross-node` counts them.
 """
 from __future__ import annotations
 
@@ -89,6 +107,13 @@ class SimRequest:
     end_s: float = 0.0
     tpot_s: float = 0.0             # (end - first token) / (output tokens - 1)
     left: int = 0                   # output tokens still to generate
+    # asynchronous loads (SimConfig.async_loads)
+    lookup: object = None           # the index's QueryResult at arrival (None: nothing to look up)
+    considered: bool = False        # the node's scheduler has read its hits (its load issued, if any)
+    loaded: bool = False            # its load has finished: prefill only what no tier held
+    load_start_s: float = 0.0       # its load on the node's link (after the loads before it)
+    load_end_s: float = 0.0
+    failed_blocks: int = 0          # blocks the lookup offered that had left their pool by the load
 
 
 def build_requests(rows: Sequence[dict], block_size: int, tokens_per_hash_id: int = 16, max_prompt_tokens: int = 0,
@@ -150,6 +175,7 @@ class SimConfig:
     policy: str
     profile: ModelProfile
     evict_batch: int = EVICT_BATCH
+    async_loads: bool = True        # False: the load inside the prefill's step (the first version)
 
     def __post_init__(self) -> None:
         bb = self.profile.block_bytes
@@ -183,6 +209,7 @@ class SimNode:
         self.busy = False                            # a step is under way
         self.prefill: SimRequest | None = None       # the step's prefill
         self.batch: list[SimRequest] = []            # the step's decode batch
+        self.link_free_s = 0.0                       # when the loads issued so far have finished
 
     def kv_prefix(self, hashes: Sequence) -> int:
         kv = self.kv
@@ -212,7 +239,7 @@ class SimResult:
     end_s: float = 0.0
 
 
-_ARRIVE, _STEP_DONE = 0, 1
+_ARRIVE, _STEP_DONE, _LOAD_DONE = 0, 1, 2
 
 
 class Simulator:
@@ -272,6 +299,9 @@ class Simulator:
             if kind == _ARRIVE:
                 assert req is not None
                 self._arrive(now, req)
+            elif kind == _LOAD_DONE:
+                assert node is not None and req is not None
+                self._load_done(now, node, req)
             else:
                 assert node is not None
                 self._step_done(now, node)
@@ -296,6 +326,12 @@ class Simulator:
         req.choice = choice
         node = self._by_id[NodeId(b.node_id)]
         req.node = node.i
+        if self.cfg.async_loads:
+            # the connector's lookup at arrival (`on_new_request`); a failed read if a block
+            # leaves its pool before the load reads it
+            end = (req.num_tokens - 1) // self.bs
+            if end:
+                req.lookup = self.index.query(NAMESPACE, req.hashes[:end], requester=node.node_id, sparse=True)
         node.queue.append(req)
         if not node.busy:
             self._step(now, node)
@@ -303,6 +339,8 @@ class Simulator:
     def _step(self, now: float, node: SimNode) -> None:
         """The node's next engine step: the next queued prompt's load and prefill (if one
         waits) and a token for each request generating there; idle if there is neither."""
+        if self.cfg.async_loads:
+            self._issue_loads(now, node)
         if not node.queue and not node.decoding:
             node.busy = False
             return
@@ -311,7 +349,10 @@ class Simulator:
         node.prefill = None
         if node.queue:
             node.prefill = node.queue.popleft()
-            dur += self._load_and_prefill(now, node, node.prefill)
+            if self.cfg.async_loads:
+                dur += self._prefill(now, node, node.prefill)
+            else:
+                dur += self._load_and_prefill(now, node, node.prefill)
         node.batch = list(node.decoding)
         if node.batch:
             dur += self.profile.decode_step_s(len(node.batch))
@@ -359,6 +400,83 @@ class Simulator:
         req.computed_tokens = req.num_tokens - (local + own + remote) * bs
         req.start_s = now
         return self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
+
+    def _issue_loads(self, now: float, node: SimNode) -> None:
+        """At a step boundary, the scheduler's first look at each request queued since the
+        last: its local hit, then the run the arrival's lookup holds after it; a request with
+        such a run leaves the queue while its load runs (WAITING_FOR_REMOTE_KVS)."""
+        if all(r.considered for r in node.queue):
+            return
+        bs, bb = self.bs, self.profile.block_bytes
+        keep: deque[SimRequest] = deque()
+        for req in node.queue:
+            if req.considered:
+                keep.append(req)
+                continue
+            req.considered = True
+            end = (req.num_tokens - 1) // bs
+            chain = req.hashes[:end]
+            local = node.kv_prefix(chain)
+            run: tuple = ()
+            res = req.lookup
+            if end > local and res is not None:
+                run = res.run_from(local)  # type: ignore[attr-defined]
+                if local:
+                    self._refresh(node, chain[:local], res.held)  # type: ignore[attr-defined]
+            # the load reads each block from its source; one gone since the lookup fails, and
+            # the hit ends there (vLLM's recompute policy recomputes from the first failed block)
+            ok = 0
+            for loc in run:
+                src = self._by_id[loc.node_id].pool
+                if src is None or loc.block_hash not in src:
+                    break
+                ok += 1
+            req.failed_blocks = len(run) - ok
+            run = run[:ok]
+            if not run:
+                keep.append(req)  # nothing to load: prefilled from the queue, its local hit read then
+                continue
+            own = remote = 0
+            links = self.link_bytes
+            for loc in run:
+                if loc.node_id == node.node_id:
+                    own += 1
+                else:
+                    remote += 1
+                    key = (loc.node_id, node.node_id)
+                    links[key] = links.get(key, 0) + bb
+            if own and node.pool is not None:
+                node.pool.touch(loc.block_hash for loc in run if loc.node_id == node.node_id)  # a local read
+            req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
+            req.computed_tokens = req.num_tokens - (local + own + remote) * bs
+            # the node's loads one after another: overlapping loads share its link
+            req.load_start_s = max(now, node.link_free_s)
+            req.load_end_s = node.link_free_s = req.load_start_s + self.profile.pull_s(remote * bb, own * bb)
+            self._push(req.load_end_s, _LOAD_DONE, node, req)
+        node.queue = keep
+
+    def _load_done(self, now: float, node: SimNode, req: SimRequest) -> None:
+        """The load has finished: back into the queue in its arrival place (vLLM keeps a
+        waiting request's place), prefilled from the next step boundary."""
+        req.loaded = True
+        q = node.queue
+        at = len(q)
+        while at and (q[at - 1].arrival_s, q[at - 1].idx) > (req.arrival_s, req.idx):
+            at -= 1
+        q.insert(at, req)
+        if not node.busy:
+            self._step(now, node)
+
+    def _prefill(self, now: float, node: SimNode, req: SimRequest) -> float:
+        """The prefill's time of `req` (async loads): after its load, the tokens no tier held;
+        else its local hit, read now (the connector offered it nothing)."""
+        req.start_s = now
+        if not req.loaded:
+            end = (req.num_tokens - 1) // self.bs
+            req.local_blocks = node.kv_prefix(req.hashes[:end])
+            req.own_pool_blocks = req.remote_blocks = 0
+            req.computed_tokens = req.num_tokens - req.local_blocks * self.bs
+        return self.profile.prefill_s(req.computed_tokens)
 
     def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence) -> None:
         """The connector's Recency rule: a local hit touches its blocks in the node's pool and
@@ -438,7 +556,11 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
     remote = sum(r.remote_blocks for r in reqs) * bs
     ttft = [r.first_token_s - r.arrival_s for r in reqs]
     tpot = [r.tpot_s for r in reqs if r.output_tokens > 1]
-    queue = [r.start_s - r.arrival_s for r in reqs]
+    # queueing: the wait for the prefill's step, the load itself left out (as it was
+    # when the load was part of that step)
+    queue = [r.start_s - r.arrival_s - (r.load_end_s - r.load_start_s) for r in reqs]
+    loads = [r.load_end_s - r.arrival_s for r in reqs if r.loaded]
+    failed = sum(r.failed_blocks for r in reqs) * bs
     into: dict[str, int] = {}
     out_of: dict[str, int] = {}
     for (src, dst), b in res.link_bytes.items():
@@ -456,6 +578,9 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "queue_p50_s": percentile(queue, 50), "queue_p99_s": percentile(queue, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "async_loads": cfg.async_loads, "loads": len(loads),
+        "load_done_p50_s": percentile(loads, 50), "load_done_p99_s": percentile(loads, 99),
+        "failed_read_tokens": failed,
         "bytes_moved": sum(res.link_bytes.values()), "links_used": len(res.link_bytes),
         "link_bytes_max": max(res.link_bytes.values(), default=0),
         "node_in_bytes_max": max(into.values(), default=0), "node_out_bytes_max": max(out_of.values(), default=0),

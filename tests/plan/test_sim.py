@@ -191,3 +191,80 @@ def test_time_scale_and_limits() -> None:
     assert len(r.out_hashes) == (6 + 5 - 1) // 4 - 1  # computed 10 tokens: 2 full blocks, 1 of the prompt
     with pytest.raises(ValueError, match="hash_ids must be"):
         build_requests(rows((0, [1, -2], 1)), 4)
+
+
+# ---- asynchronous loads (SimConfig.async_loads) -------------------------------------------
+
+
+def run_mode(specs: list, async_loads: bool, nodes: int = 2, pool: int = BIG, evict_batch: int = 16):
+    reqs = build_requests(rows(*specs), P.block_size, tokens_per_hash_id=4)
+    return simulate(reqs, SimConfig(nodes, BIG, pool, "round-robin", P, evict_batch=evict_batch,
+                                    async_loads=async_loads))
+
+
+def test_a_load_runs_outside_the_steps_and_its_request_waits_for_the_next_boundary() -> None:
+    """Round-robin on 2 nodes. A [5,6,7] on n0 (out 5): prefill 0-0.12, then decode steps of
+    0.1 s ending at 0.22, 0.32, 0.42, 0.52. B [1,2,3] on n1: prefill 0-0.12, saves its
+    blocks. C [1,2,4] arrives at 0.15 on n0, in A's step: looked up at arrival (blocks 1, 2
+    on n1), its load issued at the boundary 0.22: 0.01 + 200 B / 1,000 B/s = 0.21 s, done
+    at 0.43, in A's step 0.42-0.52; admitted at 0.52 (A has just ended), prefills its last
+    4 tokens, 0.04 s: first token 0.56, TTFT 0.07 + 0.21 + 0.09 + 0.04 = 0.41. A's steps
+    are not slowed by C's load. D [9,10,11] at 0.3 on n1 (the load's source): 0.12."""
+    specs = [(0, [5, 6, 7], 5), (0, [1, 2, 3], 1), (0.15, [1, 2, 4], 1), (0.3, [9, 10, 11], 1)]
+    res = run_mode(specs, async_loads=True)
+    a, b, c, d = res.requests
+    assert [r.node for r in res.requests] == [0, 1, 0, 1]
+    assert (c.local_blocks, c.remote_blocks, c.computed_tokens) == (0, 2, 4)
+    assert (c.load_start_s, c.load_end_s) == (pytest.approx(0.22), pytest.approx(0.43))
+    assert c.start_s == pytest.approx(0.52)
+    assert ttft(res) == [0.12, 0.12, 0.41, 0.12]
+    assert a.end_s == pytest.approx(0.52) and a.tpot_s == pytest.approx(0.1)
+    s = summarize(res, with_oracles=False)
+    assert s["loads"] == 1 and s["load_done_p50_s"] == pytest.approx(0.43 - 0.15)
+    # The first version: C's load and prefill in n0's step at 0.22 with A's token:
+    # 0.21 + 0.04 + 0.1 s, C's first token at 0.57 (TTFT 0.42), A's next tokens at 0.57,
+    # 0.67, 0.77.
+    old = run_mode(specs, async_loads=False)
+    assert ttft(old) == [0.12, 0.12, 0.42, 0.12]
+    assert old.requests[0].end_s == pytest.approx(0.77)
+
+
+@pytest.mark.parametrize("specs, nodes", [
+    ([(0, [1, 2, 3], 1), (1, [1, 2, 4], 1)], 1),                      # local hits only
+    ([(0, [1, 2, 3], 3), (0.15, [5, 6, 7], 1)], 1),                   # queueing behind a step
+    ([(0, [1, 2, 3], 1), (0, [5, 6, 7], 3), (0, [8, 9], 2)], 2),      # no hit at all
+])
+def test_requests_without_pool_hits_are_unaffected(specs: list, nodes: int) -> None:
+    on = run_mode(specs, async_loads=True, nodes=nodes)
+    off = run_mode(specs, async_loads=False, nodes=nodes)
+    assert ttft(on) == ttft(off)
+    assert [(r.start_s, r.end_s, r.local_blocks, r.computed_tokens) for r in on.requests] == \
+        [(r.start_s, r.end_s, r.local_blocks, r.computed_tokens) for r in off.requests]
+    assert summarize(on, with_oracles=False)["loads"] == 0
+
+
+def test_a_block_evicted_between_lookup_and_load_is_a_failed_read() -> None:
+    """Pools of 3 slots freeing one at a time. A (40 tokens) prefills on n0 0-0.4. B [1,2,3]
+    on n1 saves 1, 2, 3 at 0.12. C [1,2,4] arrives at 0.13 on n0: its lookup finds 1, 2 on
+    n1, but its load is issued only at n0's boundary 0.4; D [9,10,11] at 0.14 on n1 saves 9,
+    10, 11 at 0.26, evicting 1, 2, 3: both reads fail, C recomputes its 12 tokens, 0.4-0.52."""
+    specs = [(0, list(range(20, 30)), 1), (0, [1, 2, 3], 1), (0.13, [1, 2, 4], 1), (0.14, [9, 10, 11], 1)]
+    res = run_mode(specs, async_loads=True, pool=3 * slot_bytes_for(P.block_bytes), evict_batch=1)
+    c = res.requests[2]
+    assert (c.failed_blocks, c.remote_blocks, c.computed_tokens, c.loaded) == (2, 0, 12, False)
+    assert ttft(res)[2] == pytest.approx(0.52 - 0.13)
+    assert summarize(res, with_oracles=False)["failed_read_tokens"] == 8
+
+
+def test_a_nodes_loads_share_its_link_one_after_another() -> None:
+    """3 nodes in turn. n0 and n1 hold [1,2,..] and [5,6,..]; at 1 s two requests pulling 2
+    blocks each (from n0 and n1) reach idle n2 at once: the second load starts when the
+    first ends (0.21 s each), and each is prefilled (4 tokens, 0.04 s) after its own load."""
+    specs = [(0, [1, 2, 3], 1), (0, [5, 6, 7], 1), (0, [30], 1),
+             (1, [40], 1), (1, [41], 1), (1, [1, 2, 4], 1), (1, [50], 1), (1, [51], 1), (1, [5, 6, 8], 1)]
+    res = run_mode(specs, async_loads=True, nodes=3)
+    c, e = res.requests[5], res.requests[8]
+    assert (c.node, e.node, c.remote_blocks, e.remote_blocks) == (2, 2, 2, 2)
+    assert (c.load_start_s, c.load_end_s) == (pytest.approx(1.0), pytest.approx(1.21))
+    assert (e.load_start_s, e.load_end_s) == (pytest.approx(1.21), pytest.approx(1.42))
+    assert ttft(res)[5] == pytest.approx(0.25) and ttft(res)[8] == pytest.approx(0.46)
