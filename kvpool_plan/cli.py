@@ -12,6 +12,12 @@ one row per value. Bad input: one line on stderr, exit code 2.
 
 measures a model profile on this machine with the real engine (`kvpool_plan.calibrate`) for
 `--model-profile`.
+
+    kvpool plan compare --sim-report sim.json --real-report report.json [--config pool-on]
+
+sets a replay's requests (`--json` writes them) beside a `kvpool bench cross-node` run's,
+request by request: TTFT p50 / p99 predicted and measured, and their ratio's distribution
+(`kvpool_plan.compare`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import time
 
 from kvpool.layout import parse_size
 from kvpool_bench.workloads import load_trace
+from kvpool_plan import compare
+from kvpool_plan.compare import sim_rows
 from kvpool_plan.profile import load_profile
 from kvpool_plan.sim import SimConfig, build_requests, simulate, summarize
 from router.policy import POLICIES
@@ -33,8 +41,9 @@ SWEEP_KEYS = ("nodes", "pool", "kv-cache", "policy")
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="simulate the pool at cluster scale on a trace (issue 43)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=["calibrate"],
-                   help="calibrate: measure a model profile with the real engine (below); none: simulate")
+    p.add_argument("action", nargs="?", choices=["calibrate", "compare"],
+                   help="calibrate: measure a model profile with the real engine (below); compare: a "
+                        "replay's requests beside a real run's (below); none: simulate")
     p.add_argument("--trace", help="Mooncake-format JSONL trace (to simulate)")
     p.add_argument("--nodes", default="2", help="simulated nodes (default 2)")
     p.add_argument("--kv-cache", default="96MiB", help="each node's engine KV cache, bytes (e.g. 96MiB)")
@@ -62,6 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "asynchronously from arrival, as the real connectors do")
     p.add_argument("--no-oracles", action="store_true", help="skip the LRU / Belady oracles (faster)")
     p.add_argument("--json", default="", help="write the report (every run) to this file")
+    m = p.add_argument_group("compare (kvpool_plan.compare)")
+    m.add_argument("--sim-report", default="", help="a `kvpool plan --json` report (its per-request rows)")
+    m.add_argument("--real-report", default="", help="a `kvpool bench cross-node` report.json")
+    m.add_argument("--config", default="", help="the real report's config (default: pool-on, or its only one)")
+    m.add_argument("--run", default="0", help="which run of the sim report (a sweep holds several)")
     c = p.add_argument_group("calibrate (kvpool_plan.calibrate)")
     c.add_argument("--out", default="", help="the profile JSON to write")
     c.add_argument("--model", default="smollm2-135m", help="the model the engine serves")
@@ -218,9 +232,24 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_compare(args: argparse.Namespace) -> int:
+    if not args.sim_report or not args.real_report:
+        raise BadInput("compare needs --sim-report FILE (kvpool plan --json) and --real-report FILE "
+                       "(kvpool bench cross-node's report.json)")
+    try:
+        sim, real, config = compare.load_reports(args.sim_report, args.real_report, args.config,
+                                                 _int("--run", args.run))
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    print(compare.report(compare.compare(sim, real), config))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return run_calibrate(args)
+    if args.action == "compare":
+        return run_compare(args)
     if not args.trace:
         raise BadInput("--trace FILE is required (or `kvpool plan calibrate --out FILE`)")
     configs = _configs(args)
@@ -263,7 +292,10 @@ def run(args: argparse.Namespace) -> int:
                             async_loads=not args.sync_loads)
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
-        s = summarize(simulate(reqs, cfg, concurrency), with_oracles=not args.no_oracles)
+        res = simulate(reqs, cfg, concurrency)
+        s = summarize(res, with_oracles=not args.no_oracles)
+        if args.json:  # per request, for `kvpool plan compare`
+            s["request_rows"] = sim_rows(res.requests)
         s.update({"_wall_s": time.perf_counter() - t0, "_pool_bytes": c["pool_bytes"],
                   "_kv_cache_bytes": c["kv_cache_bytes"]})
         results.append(s)
