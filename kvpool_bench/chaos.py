@@ -52,8 +52,8 @@ The checker's rules (any one broken: verdict FAIL, exit code 1):
      within `--rss-growth` of its RSS at the baseline (a leak shows as growth; a process
      started again since is counted too, and the report says how often it was).
 
-The etcd members compact their history periodically (`--etcd-compaction`), as the Helm
-chart's do; `--distinct-conversations` bounds the set of prompts (and so the reference
+The etcd members compact their history periodically (`--etcd-compaction`) and snapshot
+every `--etcd-snapshot-count` raft entries, as the Helm chart's do; `--distinct-conversations` bounds the set of prompts (and so the reference
 answers) of a long run.
 
 Not built: partitions elsewhere (between the nodes' transfer ports, or an
@@ -186,10 +186,12 @@ class ChaosCluster:
         run_dir.mkdir(parents=True, exist_ok=True)
         clear_disks(run_dir)
         self.engine_args = ("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes)
-        # Periodic compaction as deployed (the Helm chart's flag), with a retention that an
-        # hour-long run reaches: without it etcd keeps every revision and its memory grows.
-        self.etcd = EtcdCluster(run_dir, ETCD, extra_args=("--auto-compaction-mode", "periodic",
-                                                           "--auto-compaction-retention", args.etcd_compaction))
+        # As deployed (the Helm chart's flags): periodic compaction, with a retention an hour-long
+        # run reaches (else etcd keeps every revision), and a snapshot every --etcd-snapshot-count
+        # raft entries (etcd holds the entries since the last one in memory).
+        self.etcd = EtcdCluster(run_dir, ETCD, extra_args=(
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", args.etcd_compaction,
+            "--snapshot-count", str(args.etcd_snapshot_count)))
         self.replicas = [MetaserverProcess(self.etcd.endpoints, run_dir / f"ms-{i}.log") for i in range(REPLICAS)]
         self.ms = ",".join(m.address for m in self.replicas)
         # Each node reaches each replica through a proxy of its own (a partition cuts one
@@ -608,6 +610,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--distinct-conversations", type=int, default=0,
                    help="batches of conversations before they come round again (0: never)")
     p.add_argument("--etcd-compaction", default="10m", help="etcd --auto-compaction-retention (periodic)")
+    p.add_argument("--etcd-snapshot-count", type=int, default=10000,
+                   help="etcd --snapshot-count (the Helm chart's default; etcd 3.4's own is 100000)")
     p.add_argument("--pool-size", default="48MiB", help="each node's DRAM pool (small: it evicts to disk)")
     p.add_argument("--pool-disk-size", default="192MiB", help="each node's disk tier")
     p.add_argument("--kv-cache-bytes", default="64MiB")
