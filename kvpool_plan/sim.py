@@ -384,6 +384,13 @@ class Simulator:
                 self._refresh(node, chain[:local], res.held)
         # (a prompt whose every block that can hit is a local hit refreshes nothing: the
         # connector's num_matched_tokens returns before it plans the refresh)
+        req.start_s = now
+        return self._book_run(node, req, local, run) + self.profile.prefill_s(req.computed_tokens)
+
+    def _book_run(self, node: SimNode, req: SimRequest, local: int, run: Sequence) -> float:
+        """Count `req`'s hits (`local` blocks in the node's KV cache, then `run` from the
+        pools), book the pulled bytes on their links, touch the own pool's blocks read;
+        returns the load's time."""
         own = remote = 0
         bb = self.profile.block_bytes
         links = self.link_bytes
@@ -397,9 +404,8 @@ class Simulator:
         if own and node.pool is not None:
             node.pool.touch(loc.block_hash for loc in run if loc.node_id == node.node_id)  # a local read
         req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
-        req.computed_tokens = req.num_tokens - (local + own + remote) * bs
-        req.start_s = now
-        return self.profile.pull_s(remote * bb, own * bb) + self.profile.prefill_s(req.computed_tokens)
+        req.computed_tokens = req.num_tokens - (local + own + remote) * self.bs
+        return self.profile.pull_s(remote * bb, own * bb)
 
     def _issue_loads(self, now: float, node: SimNode) -> None:
         """At a step boundary, the scheduler's first look at each request queued since the
@@ -407,7 +413,7 @@ class Simulator:
         such a run leaves the queue while its load runs (WAITING_FOR_REMOTE_KVS)."""
         if all(r.considered for r in node.queue):
             return
-        bs, bb = self.bs, self.profile.block_bytes
+        bs = self.bs
         keep: deque[SimRequest] = deque()
         for req in node.queue:
             if req.considered:
@@ -436,22 +442,10 @@ class Simulator:
             if not run:
                 keep.append(req)  # nothing to load: prefilled from the queue, its local hit read then
                 continue
-            own = remote = 0
-            links = self.link_bytes
-            for loc in run:
-                if loc.node_id == node.node_id:
-                    own += 1
-                else:
-                    remote += 1
-                    key = (loc.node_id, node.node_id)
-                    links[key] = links.get(key, 0) + bb
-            if own and node.pool is not None:
-                node.pool.touch(loc.block_hash for loc in run if loc.node_id == node.node_id)  # a local read
-            req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
-            req.computed_tokens = req.num_tokens - (local + own + remote) * bs
+            load_s = self._book_run(node, req, local, run)
             # the node's loads one after another: overlapping loads share its link
             req.load_start_s = max(now, node.link_free_s)
-            req.load_end_s = node.link_free_s = req.load_start_s + self.profile.pull_s(remote * bb, own * bb)
+            req.load_end_s = node.link_free_s = req.load_start_s + load_s
             self._push(req.load_end_s, _LOAD_DONE, node, req)
         node.queue = keep
 
