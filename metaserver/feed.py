@@ -7,8 +7,11 @@ changes after the last position it sent and sends them coalesced (`encode_change
 
 Positions: `seq` grows by one per change, over all namespaces; `epoch` names this incarnation
 of the index (a replica that rebuilds its index from etcd starts a new epoch, and watchers
-take a new snapshot). The feed keeps the last `max_events` changes, so a watcher that
-reconnects soon after a disconnect resumes without a snapshot.
+take a new snapshot). The feed keeps the changes of the last `keep_s` seconds (at most
+`max_events` of them), so a watcher that reconnects soon after a disconnect resumes without
+a snapshot, and one further behind takes a snapshot, as a new watcher does. Bounded by time
+and not by count alone because a count sized for a busy cluster is, at a quiet one's change
+rate, hours of changes held for no watcher (~230 bytes each).
 
 Thread-safe: its own condition guards it (taken inside the service lock, never around it).
 """
@@ -18,8 +21,9 @@ import enum
 import itertools
 import secrets
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvpool_proto.kvpool.v1 import meta_pb2 as pb
@@ -27,6 +31,7 @@ from metaserver.store import node_to_pb, record_to_pb
 from metaserver.types import BlockHash, BlockLocation, BlockRecord, Namespace, NodeId, NodeRecord
 
 SNAPSHOT_CHUNK = 8192  # blocks per snapshot message (a 1M-block namespace: ~120 messages)
+KEEP_S = 300.0         # seconds of changes a reconnecting watcher can resume from
 
 
 class Kind(enum.Enum):
@@ -45,19 +50,29 @@ class Change:
     kind: Kind
     node_id: NodeId
     payload: object
+    at: float = 0.0  # the feed's clock when appended
 
 
 class IndexFeed:
-    def __init__(self, max_events: int = 262_144) -> None:
+    def __init__(self, max_events: int = 262_144, keep_s: float = KEEP_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._cond = threading.Condition()
         self._events: deque[Change] = deque(maxlen=max_events)
+        self._keep_s, self._clock = keep_s, clock
         self.epoch = secrets.token_hex(8)
         self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self._events)
 
     def append(self, namespace: Namespace, kind: Kind, node_id: NodeId, payload: object = None) -> None:
         with self._cond:
             self.seq += 1
-            self._events.append(Change(self.seq, namespace, kind, node_id, payload))
+            now = self._clock()
+            events = self._events
+            events.append(Change(self.seq, namespace, kind, node_id, payload, now))
+            while events[0].at < now - self._keep_s:  # the newest is never older than that
+                events.popleft()
             self._cond.notify_all()
 
     def restart(self) -> None:
