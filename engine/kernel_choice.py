@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model_config import ModelConfig
+
 log = logging.getLogger(__name__)
 
 C, ONEDNN = "c", "onednn"
@@ -64,6 +66,14 @@ class Op:
     @property
     def key(self) -> str:
         return f"{self.out_dim}x{self.in_dim}{'-gated' if self.gated else ''}"
+
+
+def linear_ops(config: ModelConfig) -> list[Op]:
+    """The model's linears, as `LlamaModel` runs them (q, k and v in one; gate and up in one)."""
+    c, hd = config, config.head_dim
+    return [Op("qkv", (c.num_heads + 2 * c.num_kv_heads) * hd, c.hidden_size), Op("o", c.hidden_size, c.num_heads * hd),
+            Op("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
+            Op("down", c.hidden_size, c.intermediate_size), Op("lm_head", c.vocab_size, c.hidden_size, head=True)]
 
 
 @dataclass(frozen=True)

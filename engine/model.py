@@ -135,13 +135,7 @@ class LlamaModel:
 
     @staticmethod
     def _choose_kernels(config: ModelConfig, mode: str) -> dict[str, kernel_choice.Choice]:
-        c, hd = config, config.head_dim
-        ops = [kernel_choice.Op("qkv", (c.num_heads + 2 * c.num_kv_heads) * hd, c.hidden_size),
-               kernel_choice.Op("o", c.hidden_size, c.num_heads * hd),
-               kernel_choice.Op("gate_up", 2 * c.intermediate_size, c.hidden_size, gated=True),
-               kernel_choice.Op("down", c.hidden_size, c.intermediate_size),
-               kernel_choice.Op("lm_head", c.vocab_size, c.hidden_size, head=True)]
-        return kernel_choice.choose(ops, mode)
+        return kernel_choice.choose(kernel_choice.linear_ops(config), mode)
 
     def kernel_tag(self) -> str:
         """The KV layout fingerprint's part for the linears' kernels (empty: all C, as by default)."""

@@ -31,8 +31,8 @@ def default_spin_count() -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from kvpool_bench import (chaos, connector_bench, cross_node, disk_bench, engine_bench, lookup_bench,
-                              metaserver_bench, pd_bench, soak, spec_bench, transfer_bench, vllm_reads)
+    from kvpool_bench import (chaos, connector_bench, cross_node, disk_bench, engine_bench, kernels_bench,
+                              lookup_bench, metaserver_bench, pd_bench, soak, spec_bench, transfer_bench, vllm_reads)
 
     p = sub.add_parser("bench", help="benchmarks")
     benches = p.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
@@ -48,6 +48,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     vllm_reads.add_parser(benches)
     disk_bench.add_parser(benches)
     chaos.add_parser(benches)
+    kernels_bench.add_parser(benches)
 
 
 # Our own packages: a missing one of these is a bug, never a missing extra.
@@ -162,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return admin.main(args)
     if args.cmd == "bench":
-        from kvpool_bench import (chaos, connector_bench, cross_node, disk_bench, engine_bench, lookup_bench,
-                                  metaserver_bench, pd_bench, soak, spec_bench, transfer_bench, vllm_reads)
+        from kvpool_bench import (chaos, connector_bench, cross_node, disk_bench, engine_bench, kernels_bench,
+                                  lookup_bench, metaserver_bench, pd_bench, soak, spec_bench, transfer_bench,
+                                  vllm_reads)
 
         benches = {"metaserver": metaserver_bench.main, "transfer": transfer_bench.main, "engine": engine_bench.main,
                    "connector": connector_bench.main, "cross-node": cross_node.main, "soak": soak.main,
                    "lookup": lookup_bench.main, "pd": pd_bench.main, "spec": spec_bench.main,
-                   "vllm-reads": vllm_reads.main, "disk": disk_bench.main, "chaos": chaos.main}
+                   "vllm-reads": vllm_reads.main, "disk": disk_bench.main, "chaos": chaos.main,
+                   "kernels": kernels_bench.main}
         return benches[args.bench_cmd](args)
     if args.cmd in ("serve", "generate"):
         from kvpool_cli import serve as serve_cli

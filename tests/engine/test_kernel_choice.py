@@ -127,3 +127,20 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
     finally:
         for e in (c, o, auto):
             e.close()
+
+
+def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(tmp_path: Path) -> None:
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "kernels", "--threads", "1", "--write"],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["qkv"], ["o"], ["gate_up"],
+                                                                                      ["down"], ["lm_head"])]
+    assert [r[0] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head"], proc.stdout
+    assert all(r[3] in ("True", "False") and r[4] in ("C", "oneDNN") for r in rows), proc.stdout
+    cached = json.loads((tmp_path / "kvpool" / "kernels.json").read_text())
+    (entries,) = cached.values()
+    assert sorted(entries) == sorted(["960x576", "576x576", "3072x576-gated", "576x1536", "49152x576"])
+    assert {e["kernel"] for e in entries.values()} <= {kc.C, kc.ONEDNN}
