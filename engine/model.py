@@ -113,11 +113,12 @@ class LlamaModel:
         self.op_timer: OpTimer | None = None  # engine.op_timer; set by `kvpool bench engine --ops`
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
-        self.kernel_choices = self._choose_kernels(config, kernels) if fused_ops and use_onednn \
+        ops = kernel_choice.linear_ops(config)
+        self.kernel_choices = kernel_choice.choose(ops, kernels) if fused_ops and use_onednn \
             and layer_ops.usable(self.embed) and _onednn_available() else {}
-        # where the C kernel is chosen (or there is no choice: oneDNN or torch are not there)
-        panels = {name: fused_ops and (name not in self.kernel_choices or c.kernel == kernel_choice.C)
-                  for name, c in [(n, self.kernel_choices.get(n)) for n in ("qkv", "o", "gate_up", "down", "lm_head")]}
+        # the C kernel where it was chosen, or where there was no choice (no oneDNN here)
+        chosen = {name: c.kernel for name, c in self.kernel_choices.items()}
+        panels = {op.name: fused_ops and chosen.get(op.name, kernel_choice.C) == kernel_choice.C for op in ops}
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
                               panels["lm_head"])
         self.norm = to(weights["model.norm.weight"])
@@ -132,10 +133,6 @@ class LlamaModel:
         self.sin_signed = torch.cat((-self.sin[:, :hd // 2], self.sin[:, hd // 2:]), dim=-1)
         self.scale = hd ** -0.5
         self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
-
-    @staticmethod
-    def _choose_kernels(config: ModelConfig, mode: str) -> dict[str, kernel_choice.Choice]:
-        return kernel_choice.choose(kernel_choice.linear_ops(config), mode)
 
     def kernel_tag(self) -> str:
         """The KV layout fingerprint's part for the linears' kernels (empty: all C, as by default)."""

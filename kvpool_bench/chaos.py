@@ -53,8 +53,8 @@ The checker's rules (any one broken: verdict FAIL, exit code 1):
      started again since is counted too, and the report says how often it was).
 
 The etcd members compact their history periodically (`--etcd-compaction`) and snapshot
-every `--etcd-snapshot-count` raft entries, as the Helm chart's do; `--distinct-conversations` bounds the set of prompts (and so the reference
-answers) of a long run.
+every `--etcd-snapshot-count` raft entries, as the Helm chart's do; `--distinct-conversations`
+bounds the set of prompts (and so the reference answers) of a long run.
 
 Not built: partitions elsewhere (between the nodes' transfer ports, or an
 etcd member cut off from its peers: the same proxy fits, the ports must then go through
