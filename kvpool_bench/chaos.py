@@ -410,6 +410,34 @@ class Clients:
         return [t.name for t in self._threads if t.is_alive()]
 
 
+# What etcd says of its own memory, so that an RSS that grows can be told apart: the bbolt
+# file (mapped, so its touched pages count in RSS), the Go heap, and the keys it holds.
+ETCD_GAUGES = {"etcd_mvcc_db_total_size_in_bytes": "db", "etcd_mvcc_db_total_size_in_use_in_bytes": "db_in_use",
+               "go_memstats_heap_inuse_bytes": "heap_inuse", "go_memstats_heap_sys_bytes": "heap_sys",
+               "etcd_debugging_mvcc_keys_total": "keys", "etcd_server_proposals_committed_total": "committed"}
+
+
+def process_names(sample: dict) -> list[str]:
+    """The process names in one of `RssSampler`'s samples (its other keys are not RSS)."""
+    return [k for k in sample if k not in ("t_s", "pids", "etcd")]
+
+
+def etcd_gauges(endpoint: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """The `ETCD_GAUGES` read from etcd's /metrics (empty when it does not answer in time)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=timeout_s) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ETCD_GAUGES:
+            out[ETCD_GAUGES[name]] = float(value)
+    return out
+
+
 class RssSampler:
     """Every process's RSS by name every `every_s` seconds (PIDs change on restarts)."""
 
@@ -422,8 +450,10 @@ class RssSampler:
 
     def sample(self) -> None:
         pids = {n: self.cluster.pid(n) for n in self.cluster.procs()}
+        etcd = {f"etcd-{i}": etcd_gauges(m.endpoint) for i, m in enumerate(self.cluster.etcd.members)
+                if pids[f"etcd-{i}"] is not None and f"etcd-{i}" not in self.cluster.frozen}
         self.samples.append({"t_s": round(time.perf_counter() - self.t0, 1),
-                             **{n: rss_bytes(pid) for n, pid in pids.items()}, "pids": pids})
+                             **{n: rss_bytes(pid) for n, pid in pids.items()}, "pids": pids, "etcd": etcd})
 
     def _run(self) -> None:
         self.sample()
@@ -470,7 +500,7 @@ def rss_growth(samples: list[dict], baseline_s: float) -> dict[str, dict]:
     if not samples or not later:
         return {}
     out = {}
-    for n in (k for k in samples[-1] if k not in ("t_s", "pids")):
+    for n in process_names(samples[-1]):
         base = next((x for x in later if x[n]), None)
         if base is None or not samples[-1][n]:
             continue
@@ -498,7 +528,7 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
         w = [o for o in outs if lo <= o.start_s < lo + args.window_s]
         buckets.append({"from_s": lo, "requests": len(w), "hit_rate": round(hit_rate(w), 3),
                         "retried": sum(o.attempts > 1 for o in w)})
-    names = [k for k in rss[0] if k not in ("t_s", "pids")] if rss else []
+    names = process_names(rss[0]) if rss else []
     rss_table = {n: {"start": next((s[n] for s in rss if s[n]), 0), "end": rss[-1][n], "peak": max(s[n] for s in rss)}
                  for n in names}
     limit = args.rss_limit_mib * 2 ** 20
@@ -518,6 +548,9 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
         checks["RSS at the end within --rss-growth of the baseline's"] = all(
             g["ratio"] <= 1 + args.rss_growth for g in growth.values())
     ttft = [o.ttft_s for o in answered]
+    at_base = next((x for x in rss if x["t_s"] >= args.rss_baseline), None)
+    etcd = {n: {"baseline": at_base.get("etcd", {}).get(n, {}), "end": rss[-1].get("etcd", {}).get(n, {})}
+            for n in names if n.startswith("etcd-")} if at_base else {}
     return {
         "verdict": "PASS" if all(checks.values()) else "FAIL", "checks": checks,
         "requests": len(outs), "answered": len(answered), "retried": sum(o.attempts > 1 for o in answered),
@@ -529,7 +562,7 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "ttft_by_phase": {k: {"p50": pct([o.ttft_s for o in w if o.answered], 50),
                               "p99": pct([o.ttft_s for o in w if o.answered], 99)} for k, w in windows.items()},
-        "faults": faults, "rss": rss_table, "rss_growth": growth, "alive": alive, "index_check": index,
+        "faults": faults, "rss": rss_table, "rss_growth": growth, "etcd_gauges": etcd, "alive": alive, "index_check": index,
     }
 
 
@@ -554,6 +587,13 @@ def print_summary(s: dict) -> None:
         for n, g in s["rss_growth"].items():
             print(f"  {n:<8} {g['end'] / mib:6.0f} / {g['base'] / mib:6.0f} at {g['base_t_s']:.0f} s = {g['ratio']:.3f}"
                   f" (started again {g['restarts']} times since)")
+    if any(g["baseline"] and g["end"] for g in s.get("etcd_gauges", {}).values()):
+        print("etcd's own gauges, baseline -> end (MiB; keys):")
+        for n, g in s["etcd_gauges"].items():
+            b, e = g["baseline"], g["end"]
+            print(f"  {n:<8} " + ", ".join(
+                f"{k} {b.get(k, 0) / (1 if k == 'keys' else mib):.0f} -> {e.get(k, 0) / (1 if k == 'keys' else mib):.0f}"
+                for k in ("db", "db_in_use", "heap_inuse", "heap_sys", "keys")))
     faults = [f for e in s["faults"] for f in e["faults"]]
     print(f"fault events {len(s['faults'])}, faults {len(faults)}: double {sum(e['double'] for e in s['faults'])}, "
           f"quorum losses {sum(e['quorum_loss'] for e in s['faults'])}, "

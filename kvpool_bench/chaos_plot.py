@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvpool_bench.chaos import process_names
 from kvpool_bench.report import pct
 
 
@@ -62,7 +63,7 @@ def plot(report: dict, out: Path) -> Path:
                 color="tab:orange")
     axes[2].set_ylabel("failed attempts")
     samples = report.get("rss_samples", [])
-    names = [k for k in (samples[0] if samples else {}) if k not in ("t_s", "pids")]
+    names = process_names(samples[0]) if samples else []
     for n in names:
         axes[3].plot([x["t_s"] for x in samples], [x[n] / 2 ** 20 for x in samples], label=n, lw=0.8)
     axes[3].set_ylabel("RSS (MiB)")

@@ -5,13 +5,14 @@ checker must pass."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvpool_bench.chaos import ETCD, Fault, conversations, rss_growth, schedule
+from kvpool_bench.chaos import ETCD, Fault, conversations, etcd_gauges, rss_growth, schedule
 from kvpool_bench.chaos_plot import windows
 
 SHORT = {"duration_s": 60, "interval": (4.0, 8.0), "heal": (2.0, 5.0)}
@@ -93,6 +94,16 @@ def test_rss_growth_compares_the_end_with_the_first_sample_from_the_baseline() -
     assert g["a"] == {"base_t_s": 10.0, "base": 100 * mib, "end": 115 * mib, "ratio": 1.15, "restarts": 1}
     assert g["b"]["base_t_s"] == 12.0 and g["b"]["ratio"] == 1.1 and g["b"]["restarts"] == 0
     assert rss_growth(samples, 30.0) == {}
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd not installed")
+def test_etcd_gauges_read_a_real_etcds_metrics(tmp_path: Path) -> None:
+    from kvpool_harness.processes import EtcdProcess, free_port
+    with EtcdProcess(tmp_path / "etcd") as etcd:
+        g = etcd_gauges(etcd.endpoint)
+    assert set(g) == {"db", "db_in_use", "heap_inuse", "heap_sys", "keys", "committed"}, g
+    assert g["db"] >= g["db_in_use"] > 0 and g["heap_sys"] >= g["heap_inuse"] > 0 and g["committed"] >= 1
+    assert etcd_gauges(f"127.0.0.1:{free_port()}", timeout_s=1) == {}  # nothing answers: no gauges
 
 
 @pytest.mark.slow
