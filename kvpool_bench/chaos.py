@@ -79,6 +79,7 @@ from types import SimpleNamespace
 
 from kvpool_bench.cross_node import stream_completion
 from kvpool_bench.report import pct, write_report
+from kvpool_bench.chaos_plot import plot, process_names
 from kvpool_bench.soak import index_vs_holdings, rss_bytes
 from kvpool_bench.workloads import BenchRequest, multi_turn
 
@@ -417,11 +418,6 @@ ETCD_GAUGES = {"etcd_mvcc_db_total_size_in_bytes": "db", "etcd_mvcc_db_total_siz
                "etcd_debugging_mvcc_keys_total": "keys", "etcd_server_proposals_committed_total": "committed"}
 
 
-def process_names(sample: dict) -> list[str]:
-    """The process names in one of `RssSampler`'s samples (its other keys are not RSS)."""
-    return [k for k in sample if k not in ("t_s", "pids", "etcd")]
-
-
 def etcd_gauges(endpoint: str, timeout_s: float = 2.0) -> dict[str, float]:
     """The `ETCD_GAUGES` read from etcd's /metrics (empty when it does not answer in time)."""
     import urllib.request
@@ -708,6 +704,5 @@ def main(args: argparse.Namespace) -> int:
               "requests": [{k: v for k, v in asdict(o).items() if k not in ("prompt", "output")} for o in outs]}
     out = Path(args.out or run_dir / "report.json")
     write_report(str(out), report)
-    from kvpool_bench.chaos_plot import plot
     print(f"timeline: {plot(report, out.with_name(out.stem + '-timeline.png'))}")
     return 0 if s["verdict"] == "PASS" else 1

@@ -9,8 +9,12 @@ import json
 import sys
 from pathlib import Path
 
-from kvpool_bench.chaos import process_names
 from kvpool_bench.report import pct
+
+
+def process_names(sample: dict) -> list[str]:
+    """The process names in one of the report's RSS samples (its other keys are not RSS)."""
+    return [k for k in sample if k not in ("t_s", "pids", "etcd")]
 
 
 def windows(requests: list[dict], window_s: float) -> list[dict]:
