@@ -13,6 +13,11 @@ one row per value. Bad input: one line on stderr, exit code 2.
 measures a model profile on this machine with the real engine (`kvpool_plan.calibrate`) for
 `--model-profile`.
 
+    kvpool plan capacity --trace A.jsonl[,B.jsonl] [--capacities 1e4,...] [--mark 3e6] [--all] [--plot OUT.png]
+
+prints the prefix hit rate a shared cache of each size reaches on the traces, LRU and Belady
+beside the infinite cache (the Mooncake FAST'25 paper's Figure 9; `kvpool_plan.capacity`).
+
     kvpool plan compare --sim-report sim.json --real-report report.json [--config pool-on]
 
 sets a replay's requests (`--json` writes them) beside a `kvpool bench cross-node` run's,
@@ -29,7 +34,7 @@ import time
 
 from kvpool.layout import parse_size
 from kvpool_bench.workloads import load_trace
-from kvpool_plan import compare
+from kvpool_plan import capacity, compare
 from kvpool_plan.compare import sim_rows
 from kvpool_plan.profile import load_profile
 from kvpool_plan.sim import SimConfig, build_requests, simulate, summarize
@@ -41,7 +46,7 @@ SWEEP_KEYS = ("nodes", "pool", "kv-cache", "policy")
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("plan", help="simulate the pool at cluster scale on a trace (issue 43)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=["calibrate", "compare"],
+    p.add_argument("action", nargs="?", choices=["calibrate", "compare", "capacity"],
                    help="calibrate: measure a model profile with the real engine (below); compare: a "
                         "replay's requests beside a real run's (below); none: simulate")
     p.add_argument("--trace", help="Mooncake-format JSONL trace (to simulate)")
@@ -76,6 +81,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     m.add_argument("--real-report", default="", help="a `kvpool bench cross-node` report.json")
     m.add_argument("--config", default="", help="the real report's config (default: pool-on, or its only one)")
     m.add_argument("--run", default="0", help="which run of the sim report (a sweep holds several)")
+    k = p.add_argument_group("capacity (kvpool_plan.capacity): --trace takes FILE[,FILE...]")
+    k.add_argument("--capacities", default=",".join(f"{c:g}" for c in capacity.DEFAULT_CAPACITIES),
+                   help="cache sizes in tokens, comma-separated (1e6 or 1000000)")
+    k.add_argument("--mark", default="3e6", help="say what fraction of the maximum a cache this size reaches")
+    k.add_argument("--all", action="store_true", help="also the traces merged by time (the paper's 'All')")
+    k.add_argument("--hash-id-tokens", default="512", help="tokens a trace hash id names (512 in Mooncake's)")
+    k.add_argument("--names", default="", help="the traces' names, comma-separated (default: their file names)")
+    k.add_argument("--plot", default="", help="draw the curves into this PNG")
+    k.add_argument("--reference", default="",
+                   help='published points to draw beside ours: JSON {"label": ..., "curves": {NAME: [[tokens, rate], ...]}}')
     c = p.add_argument_group("calibrate (kvpool_plan.calibrate)")
     c.add_argument("--out", default="", help="the profile JSON to write")
     c.add_argument("--model", default="smollm2-135m", help="the model the engine serves")
@@ -245,11 +260,65 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_capacity(args: argparse.Namespace) -> int:
+    if not args.trace:
+        raise BadInput("capacity: --trace FILE[,FILE...] is required")
+    caps = [_float("--capacities", v) for v in args.capacities.split(",")]
+    mark = _float("--mark", args.mark)
+    block = _int("--hash-id-tokens", args.hash_id_tokens, 1)
+    if not caps or min(caps) < block or mark < 0:
+        raise BadInput(f"--capacities must each be >= --hash-id-tokens ({block}), --mark >= 0")
+    if mark and mark not in caps:
+        caps = sorted({*caps, mark})
+    paths = args.trace.split(",")
+    names = args.names.split(",") if args.names else [p.rsplit("/", 1)[-1].removesuffix(".jsonl") for p in paths]
+    if len(names) != len(paths) or len(set(names)) != len(names):
+        raise BadInput(f"--names must name each of the {len(paths)} traces once, got {args.names!r}")
+    reference = None
+    if args.reference:
+        try:
+            with open(args.reference) as f:
+                reference = json.load(f)
+            if not isinstance(reference.get("curves"), dict):
+                raise ValueError('no "curves" object')
+        except (OSError, ValueError, AttributeError) as err:
+            raise BadInput(f"--reference {args.reference}: {err}") from None
+    traces = {}
+    for name, path in zip(names, paths, strict=True):
+        try:
+            traces[name] = load_trace(path)
+        except OSError as err:
+            raise BadInput(f"--trace {path}: {err.strerror or err}") from None
+        except (ValueError, TypeError) as err:
+            raise BadInput(f"--trace {path}: {err}") from None
+    if args.all and len(traces) > 1:
+        traces["all"] = capacity.merge(list(traces.values()))
+    try:
+        curves = {n: capacity.curve(rows, caps, block, belady=not args.no_oracles) for n, rows in traces.items()}
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    for n, c in curves.items():
+        line = f"{n}: {c['requests']} requests, {c['blocks']} hash ids ({c['unique_blocks']} distinct)"
+        if mark:
+            f = capacity.at_mark(c, mark, block)
+            line += f"; at {mark:,.0f} tokens: " + ", ".join(f"{k} {100 * v:.0f}% of the maximum" for k, v in f.items())
+        print(line)
+    print(capacity.table(curves))
+    if args.plot:
+        print(f"plot: {capacity.plot(curves, args.plot, mark, reference)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"traces": args.trace.split(","), "hash_id_tokens": block, "mark": mark, "curves": curves}, f, indent=1)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return run_calibrate(args)
     if args.action == "compare":
         return run_compare(args)
+    if args.action == "capacity":
+        return run_capacity(args)
     if not args.trace:
         raise BadInput("--trace FILE is required (or `kvpool plan calibrate --out FILE`)")
     configs = _configs(args)
