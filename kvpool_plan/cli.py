@@ -1,12 +1,12 @@
 """`kvpool plan`: replay a Mooncake-format trace over N simulated nodes (`kvpool_plan.sim`).
 
-    kvpool plan --trace FILE --nodes 16 --kv-cache 96MiB --pool 1GiB --policy prefix \\
+    kvpool plan --trace FILE --nodes 16 --kv-cache 96MiB --pool 1GiB [--disk 8GiB] --policy prefix \\
         --model-profile cpu-smollm2-135m [--sweep nodes=2,4,8,16,32,64] [--json OUT]
 
 Prints the hit rate per tier beside the infinite / LRU / Belady oracles over the same
-capacity (all KV caches and pools together), TTFT and TPOT p50 / p99, and the bytes the
-pools moved between nodes; `--sweep KEY=V1,V2,...` (nodes, pool, kv-cache, policy) prints
-one row per value. Bad input: one line on stderr, exit code 2.
+capacity (all KV caches, pools and disk tiers together), TTFT and TPOT p50 / p99, and the
+bytes the pools moved between nodes; `--sweep KEY=V1,V2,...` (nodes, pool, disk, kv-cache,
+policy) prints one row per value. Bad input: one line on stderr, exit code 2.
 
     kvpool plan calibrate --out my-node.json [--device cpu|cuda] [--threads N] ...
 
@@ -40,7 +40,7 @@ from kvpool_plan.profile import load_profile
 from kvpool_plan.sim import SimConfig, build_requests, simulate, summarize
 from router.policy import POLICIES
 
-SWEEP_KEYS = ("nodes", "pool", "kv-cache", "policy")
+SWEEP_KEYS = ("nodes", "pool", "disk", "kv-cache", "policy")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--nodes", default="2", help="simulated nodes (default 2)")
     p.add_argument("--kv-cache", default="96MiB", help="each node's engine KV cache, bytes (e.g. 96MiB)")
     p.add_argument("--pool", default="1GiB", help="each node's pool DRAM, bytes (0: pool off)")
+    p.add_argument("--disk", default="0",
+                   help="each node's disk tier under its pool, bytes (0: none, the default; none when the "
+                        "pool is off); its reads cost the profile's disk_read_* figures")
     p.add_argument("--policy", default="round-robin", help=f"routing: {', '.join(POLICIES)}")
     p.add_argument("--model-profile", default="cpu-smollm2-135m",
                    help="profile JSON file, or a shipped one: cpu-smollm2-135m, h100-llama3.1-8b, "
@@ -70,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--concurrency", default="0",
                    help="a closed loop of this many requests in flight instead of the trace's arrival times "
                         "(as `kvpool bench cross-node` without --time-scale); 0 = arrival times")
-    p.add_argument("--sweep", default="", help="KEY=V1,V2,...: one run per value (nodes, pool, kv-cache, policy)")
+    p.add_argument("--sweep", default="",
+                   help="KEY=V1,V2,...: one run per value (nodes, pool, disk, kv-cache, policy)")
     p.add_argument("--sync-loads", action="store_true",
                    help="load inside the prefill's engine step (the first version's model) instead of "
                         "asynchronously from arrival, as the real connectors do")
@@ -134,7 +138,8 @@ def _policy(text: str) -> str:
 
 def _configs(args: argparse.Namespace) -> list[dict]:
     base = {"nodes": _int("--nodes", args.nodes, 1), "kv_cache_bytes": _size("--kv-cache", args.kv_cache),
-            "pool_bytes": _size("--pool", args.pool), "policy": _policy(args.policy)}
+            "pool_bytes": _size("--pool", args.pool), "disk_bytes": _size("--disk", args.disk),
+            "policy": _policy(args.policy)}
     if not args.sweep:
         return [base]
     key, sep, values = args.sweep.partition("=")
@@ -146,6 +151,8 @@ def _configs(args: argparse.Namespace) -> list[dict]:
             out.append({**base, "nodes": _int("--sweep nodes", v, 1)})
         elif key == "pool":
             out.append({**base, "pool_bytes": _size("--sweep pool", v)})
+        elif key == "disk":
+            out.append({**base, "disk_bytes": _size("--sweep disk", v)})
         elif key == "kv-cache":
             out.append({**base, "kv_cache_bytes": _size("--sweep kv-cache", v)})
         else:
@@ -161,13 +168,26 @@ def _gib(b: int) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
+def _disk_lines(s: dict) -> list[str]:
+    """The disk tier's hits and traffic (nothing without a disk tier: the report as before)."""
+    if not s.get("disk_slots_per_node"):
+        return []
+    return [f"disk tier           {_pct(s['hit_rate_disk'])} of prompt tokens (own disk "
+            f"{_pct(s['hit_rate_own_disk'])}, other nodes' disks {_pct(s['hit_rate_remote_disk'])}); "
+            f"{s['disk_slots_per_node']:,} slots per node, writes / evictions {s['disk_writes']:,} / "
+            f"{s['disk_evictions']:,}"]
+
+
 def report(s: dict) -> str:
+    disk = " DRAM" if s.get("disk_slots_per_node") else ""
     lines = [
         f"{s['requests']} requests on {s['nodes']} nodes, {s['policy']}, profile {s['profile']}: "
-        f"KV cache {s['kv_cache_blocks_per_node']} blocks and pool {s['pool_slots_per_node']} slots per node",
+        f"KV cache {s['kv_cache_blocks_per_node']} blocks and pool {s['pool_slots_per_node']} slots per node"
+        + (f", disk {s['disk_slots_per_node']} slots" if disk else ""),
         f"hit rate            {_pct(s['hit_rate'])}  (local {_pct(s['hit_rate_local'])}, "
-        f"pool {_pct(s['hit_rate_pool'])}: own {_pct(s['hit_own_pool_tokens'] / s['prompt_tokens'])}, "
-        f"pulled {_pct(s['hit_remote_tokens'] / s['prompt_tokens'])})",
+        f"pool {_pct(s['hit_rate_pool'])}: own{disk} {_pct(s['hit_own_pool_tokens'] / s['prompt_tokens'])}, "
+        f"pulled{disk} {_pct(s['hit_remote_tokens'] / s['prompt_tokens'])})",
+        *_disk_lines(s),
     ]
     if "oracle_lru" in s:
         lines.append(f"oracles             infinite {_pct(s['oracle_infinite'])}, "
@@ -189,14 +209,15 @@ def report(s: dict) -> str:
 
 
 def table(rows: list[dict], key: str) -> str:
-    head = (f"{key:>12} {'hit':>6} {'local':>6} {'pool':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
+    head = (f"{key:>12} {'hit':>6} {'local':>6} {'pool':>6} {'disk':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
             f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'moved':>10} {'wall':>6}")
     out = [head]
     for s in rows:
-        val = {"nodes": s["nodes"], "pool": _gib(s["_pool_bytes"]),
+        val = {"nodes": s["nodes"], "pool": _gib(s["_pool_bytes"]), "disk": _gib(s["_disk_bytes"]),
                "kv-cache": _gib(s["_kv_cache_bytes"]), "policy": s["policy"]}[key]
         o = [_pct(s[k]) if k in s else "     -" for k in ("oracle_infinite", "oracle_lru", "oracle_belady")]
         out.append(f"{val!s:>12} {_pct(s['hit_rate'])} {_pct(s['hit_rate_local'])} {_pct(s['hit_rate_pool'])} "
+                   f"{_pct(s['hit_rate_disk'])} "
                    f"{o[0]} {o[1]} {o[2]} {s['ttft_p50_s']:8.3f}s {s['ttft_p99_s']:6.2f}s "
                    f"{1000 * s['tpot_p50_s']:7.1f}ms {_gib(s['bytes_moved']):>10} {s['_wall_s']:5.1f}s")
     return "\n".join(out)
@@ -358,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput(f"--trace {args.trace}: {err}") from None
         try:
             cfg = SimConfig(c["nodes"], c["kv_cache_bytes"], c["pool_bytes"], c["policy"], profile,
-                            async_loads=not args.sync_loads)
+                            async_loads=not args.sync_loads, disk_bytes=c["disk_bytes"])
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
         res = simulate(reqs, cfg, concurrency)
@@ -366,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:  # per request, for `kvpool plan compare`
             s["request_rows"] = sim_rows(res.requests)
         s.update({"_wall_s": time.perf_counter() - t0, "_pool_bytes": c["pool_bytes"],
-                  "_kv_cache_bytes": c["kv_cache_bytes"]})
+                  "_disk_bytes": c["disk_bytes"], "_kv_cache_bytes": c["kv_cache_bytes"]})
         results.append(s)
         if not args.sweep:
             print(report(s))

@@ -26,7 +26,7 @@ def sim_rows(requests: Sequence) -> list[dict]:
     for r in requests:
         out.append({"rid": f"t{r.idx}", "node": r.node, "prompt_tokens": r.num_tokens,
                     "output_tokens": r.output_tokens, "local_hit_blocks": r.local_blocks,
-                    "pool_hit_blocks": r.own_pool_blocks + r.remote_blocks,
+                    "pool_hit_blocks": r.pool_blocks,
                     "computed_tokens": r.computed_tokens, "start_s": r.arrival_s,
                     "ttft_s": r.first_token_s - r.arrival_s, "e2e_s": r.end_s - r.arrival_s,
                     "load_s": r.load_end_s - r.load_start_s, "failed_blocks": r.failed_blocks})

@@ -13,6 +13,12 @@ A small JSON file (keys below; any key starting with `_` is a comment, e.g. `_so
 - `link_bytes_per_s`, `link_latency_s`: a pull of B bytes from other nodes' pools costs
   latency + B / bandwidth (the reader's link).
 - `local_copy_bytes_per_s`: a load from the node's own pool (a memcpy).
+- `disk_read_bytes_per_s`, `disk_read_latency_s`: a read from a disk tier (`kvpool plan
+  --disk`): a block costs latency + its bytes / the rate, blocks one after another (the
+  pool reads its disk blocks in turn, `kvpool.tier_reads`); another node's disk block is
+  read so by its holder, then pulled over the link. Defaults: 1e9 B/s (the order of this
+  project's VM's measured tier reads, docs/BENCHMARKS.md "Disk tier") and 0 s; a profile
+  states its own in `_sources`.
 
 `kvpool plan calibrate` measures these on a machine with the real engine
 (`kvpool_plan.calibrate`). The shipped profiles' figures are read from docs/BENCHMARKS.md and
@@ -51,6 +57,8 @@ class ModelProfile:
     link_latency_s: float = 0.0
     local_copy_bytes_per_s: float = 1e10
     prefill_overhead_s: float = 0.0
+    disk_read_bytes_per_s: float = 1e9
+    disk_read_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_bytes_per_token < 1:
@@ -64,6 +72,8 @@ class ModelProfile:
             raise ValueError("link_bytes_per_s and local_copy_bytes_per_s must be > 0")
         if self.link_latency_s < 0 or self.prefill_overhead_s < 0:
             raise ValueError("link_latency_s and prefill_overhead_s must be >= 0")
+        if not self.disk_read_bytes_per_s > 0 or not self.disk_read_latency_s >= 0:
+            raise ValueError("disk_read_bytes_per_s must be > 0 and disk_read_latency_s >= 0")
 
     @property
     def block_bytes(self) -> int:
@@ -84,6 +94,12 @@ class ModelProfile:
         if remote_bytes:
             t += self.link_latency_s + remote_bytes / self.link_bytes_per_s
         return t
+
+    def disk_read_s(self, nbytes: int, blocks: int) -> float:
+        """Reading `blocks` blocks (`nbytes` in all) from a disk tier, one after another."""
+        if not blocks:
+            return 0.0
+        return blocks * self.disk_read_latency_s + nbytes / self.disk_read_bytes_per_s
 
 
 def load_profile(path: str | Path) -> ModelProfile:

@@ -4,8 +4,9 @@ What decides hits is the project's own code, imported:
 - the block index: `metaserver.index.BlockIndex` (one for the cluster, as the metaserver's):
   pools publish their puts and unpublish their evictions into it; a request's load is its
   sparse `query` (the requester's own copy first, other holders spread by load);
-- a pool's eviction: `kvpool_plan.eviction.PoolLRU`, NodePool's policy without its memory
-  (a test runs a real NodePool beside it);
+- a pool's eviction: `kvpool_plan.eviction.PoolLRU`, NodePool's policy without its memory,
+  and with `SimConfig.disk_bytes` its disk tier and the hand-off to it
+  (`kvpool_plan.eviction.DiskLRU`, `TieredPool`; tests run a real NodePool beside them);
 - routing: `router.policy` (round-robin, least-loaded, prefix) on `router.backends.Backend`
   objects whose counters move as the router's do (`router.app`), the prefix policy reading
   the simulated index through the same calls as the router's index view;
@@ -33,8 +34,9 @@ Loads are asynchronous, as both real engines' (`SimConfig.async_loads`, on by de
   scheduler first considers it), its local hit is read from the node's KV cache and, if the
   arrival's lookup holds a run after it, the load is issued (the step's `begin_step`): the
   request leaves the queue (WAITING_FOR_REMOTE_KVS) while the node keeps stepping the
-  others. A block that left its pool since the lookup is a failed read: the hit ends there
-  and the rest is recomputed;
+  others. A block that left its pool since the lookup is a failed read (with disk tiers:
+  its holder has it in neither tier, or another node's DRAM copy left DRAM): the hit ends
+  there and the rest is recomputed;
 - when the load has finished it goes back into the queue in its arrival place, so it is
   prefilled (only the tokens no tier held) at the first step boundary after the load, if
   nothing that arrived before it waits;
@@ -51,17 +53,37 @@ Simplifications (each a place where the real cluster may differ):
   at that batch. So prefills stall decodes and decodes slow prefills, as in a mixed batch;
   TPOT is (end - first token) / (output tokens - 1);
 - a load is `latency + bytes / link rate` of the reader's link (own-pool blocks at the
-  memcpy rate), parallel sources sharing that link; a node's loads run one after another
-  (one starts when the one before it has finished), so loads that overlap share the link
-  as a whole without modelling their interleaving; a failed read costs no time;
+  memcpy rate, disk blocks as below), parallel sources sharing that link; a node's loads
+  run one after another (one starts when the one before it has finished), so loads that
+  overlap share the link as a whole without modelling their interleaving; a failed read
+  costs no time;
 - the local hit of a loading request is kept while it loads (the engine has allocated its
   blocks), but a node's KV cache is otherwise an LRU of blocks with nothing pinned (running
   requests' blocks can be evicted from it while they decode; the engine would keep them);
-- no disk tier yet.
+- the disk tier (`SimConfig.disk_bytes` per node, under the node's pool; none without a
+  pool), as NodePool runs it (`kvpool_plan.eviction`): blocks evicted from DRAM go to the
+  disk and are published as DISK; a block in DRAM is published as DRAM (also when a disk
+  copy exists); the disk evicts its LRU block for each write and unpublishes it unless DRAM
+  holds it; a node with a disk tier stages (its registration names a stage service), so the
+  index offers its DISK copies to other readers when no DRAM copy exists, and the prefix
+  policy prices disk reads (`router.policy.DISK_COST`) from the same index. A load reads the
+  node's own blocks from DRAM, else from its disk (promoted into DRAM: a put, with its
+  evictions); another node's DISK copy is staged by its holder (promoted there, published
+  as DRAM) and pulled. Its cost: each disk block `disk_read_latency_s + bytes /
+  disk_read_bytes_per_s` of the profile, one after another, added to the load (another
+  node's on top of its pull over the link). Simplified: the disk writer keeps up (an evicted
+  block is on disk before the next eviction; the real tier writes on its own threads and
+  drops offers when its staging buffers are full) and costs no time; the connector's
+  prefetch of other nodes' disk blocks (staged at lookup) is not modelled apart from the
+  load (staged when the load reads them); a holder's disk, like its link, serves its
+  readers without contention; slot generations are not modelled (a block is read from
+  whichever tier holds it when the load is issued, the tiers decided before the load's
+  promotions move anything); no warm restart, no disk errors.
 
 TTFT = queueing (earlier prompts, the step under way) + load + the wait for the step
 boundary after it + prefill (+ the decode step it shares); the report states per-tier hits
-in prompt tokens, as `kvpool bench cross-node` counts them.
+in prompt tokens, as `kvpool bench cross-node` counts them (own DRAM pool, own disk, other
+nodes' DRAM, other nodes' disks apart).
 """
 from __future__ import annotations
 
@@ -72,13 +94,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvpool.disk_file import disk_slot_bytes
 from kvpool.layout import slot_bytes_for
 from kvpool_bench.report import pct
 from kvpool_bench.workloads import belady_hits, lru_hits
-from kvpool_plan.eviction import PoolLRU
+from kvpool_plan.eviction import Change, DiskLRU, PoolLRU, TieredPool
 from kvpool_plan.profile import ModelProfile
 from metaserver.index import BlockIndex
-from metaserver.types import BlockHash, BlockRecord, Namespace, NodeId, NodeRecord
+from metaserver.types import BlockHash, BlockLocation, BlockRecord, Medium, Namespace, NodeId, NodeRecord
 from router.backends import Backend
 from router.chain import Chain
 from router.policy import Choice, Policy, make_policy
@@ -98,9 +121,11 @@ class SimRequest:
     # filled in by the replay
     node: int = -1
     choice: Choice | None = None
-    local_blocks: int = 0
-    own_pool_blocks: int = 0
-    remote_blocks: int = 0
+    local_blocks: int = 0           # in the node's KV cache
+    own_pool_blocks: int = 0        # read from the node's own pool's DRAM
+    remote_blocks: int = 0          # pulled from other nodes' DRAM
+    own_disk_blocks: int = 0        # read from the node's own disk tier (and promoted)
+    remote_disk_blocks: int = 0     # staged by other nodes from their disks, then pulled
     computed_tokens: int = 0
     start_s: float = 0.0
     first_token_s: float = 0.0
@@ -114,6 +139,11 @@ class SimRequest:
     load_start_s: float = 0.0       # its load on the node's link (after the loads before it)
     load_end_s: float = 0.0
     failed_blocks: int = 0          # blocks the lookup offered that had left their pool by the load
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks loaded from any pool tier (not the node's KV cache)."""
+        return self.own_pool_blocks + self.own_disk_blocks + self.remote_blocks + self.remote_disk_blocks
 
 
 def build_requests(rows: Sequence[dict], block_size: int, tokens_per_hash_id: int = 16, max_prompt_tokens: int = 0,
@@ -176,6 +206,7 @@ class SimConfig:
     profile: ModelProfile
     evict_batch: int = EVICT_BATCH
     async_loads: bool = True        # False: the load inside the prefill's step (the first version)
+    disk_bytes: int = 0             # each node's disk tier (0: none; none without a pool either)
 
     def __post_init__(self) -> None:
         bb = self.profile.block_bytes
@@ -185,6 +216,8 @@ class SimConfig:
             raise ValueError(f"--kv-cache {self.kv_cache_bytes} B holds no {bb}-byte block")
         if self.pool_bytes < 0:
             raise ValueError("--pool must be >= 0")
+        if self.disk_bytes < 0:
+            raise ValueError("--disk must be >= 0")
 
     @property
     def kv_blocks(self) -> int:
@@ -195,6 +228,14 @@ class SimConfig:
         """Slots of one node's pool (0: the pool is off), as NodePool sizes them."""
         return self.pool_bytes // slot_bytes_for(self.profile.block_bytes)
 
+    @property
+    def disk_slots(self) -> int:
+        """Slots of one node's disk tier, as DiskTier sizes them (0: no tier; a tier sits
+        under a pool, so none when the pool is off)."""
+        if not self.pool_slots:
+            return 0
+        return self.disk_bytes // disk_slot_bytes(self.profile.block_bytes)
+
 
 class SimNode:
     def __init__(self, i: int, cfg: SimConfig) -> None:
@@ -204,6 +245,8 @@ class SimNode:
         self.kv: OrderedDict = OrderedDict()
         self.kv_cap = cfg.kv_blocks
         self.pool = PoolLRU(cfg.pool_slots, cfg.evict_batch) if cfg.pool_slots else None
+        self.disk = DiskLRU(cfg.disk_slots) if cfg.disk_slots else None
+        self.tiers = TieredPool(self.pool, self.disk) if self.pool is not None else None
         self.queue: deque[SimRequest] = deque()     # waiting for their prefill
         self.decoding: list[SimRequest] = []         # generating
         self.busy = False                            # a step is under way
@@ -237,6 +280,8 @@ class SimResult:
     pool_evictions: int = 0
     pool_puts: int = 0
     end_s: float = 0.0
+    disk_writes: int = 0
+    disk_evictions: int = 0
 
 
 _ARRIVE, _STEP_DONE, _LOAD_DONE = 0, 1, 2
@@ -252,7 +297,11 @@ class Simulator:
         self._by_id = {n.node_id: n for n in self.nodes}
         self.record_size = slot_bytes_for(cfg.profile.block_bytes)
         for n in self.nodes:
-            self.index.upsert_node(NodeRecord(n.node_id, "", 0, cfg.pool_bytes, NAMESPACE, 0, 0))
+            # a pool with a disk tier serves stage requests (NodePool.start): the index offers
+            # its DISK copies to other readers only then
+            stage = f"sim://{n.node_id}/stage" if n.disk is not None else ""
+            self.index.upsert_node(NodeRecord(n.node_id, "", 0, cfg.pool_bytes, NAMESPACE, 0, 0,
+                                              stage_address=stage))
         self.policy: Policy = make_policy(cfg.policy, self.bs, IndexAdapter(self.index))  # type: ignore[arg-type]
         self.link_bytes: dict[tuple[str, str], int] = {}
         self._events: list[tuple[float, int, int, SimNode | None, SimRequest]] = []
@@ -263,17 +312,37 @@ class Simulator:
     # ---- the pools --------------------------------------------------------------------
 
     def _save(self, node: SimNode, hashes: Sequence) -> None:
-        """Write-through: each block into the node's pool, published; evictions unpublished."""
-        pool = node.pool
-        if pool is None:
+        """Write-through: each block into the node's pool, published; evictions unpublished
+        (and handed to its disk tier, if it has one)."""
+        tiers = node.tiers
+        if tiers is None:
             return
-        index, nid, size = self.index, node.node_id, self.record_size
         for h in hashes:
-            stored, victims = pool.put(h)
-            for v in victims:
-                index.remove_block(nid, v)
-            if stored:
-                index.add_block(nid, BlockRecord(BlockHash(h), 0, size, 0))
+            self._apply(node, tiers.put(h)[1])
+
+    def _apply(self, node: SimNode, changes: list[Change]) -> None:
+        """The index changes a node's pool made, in its order (its publishes and unpublishes)."""
+        index, nid, size = self.index, node.node_id, self.record_size
+        for h, medium in changes:
+            if medium is None:
+                index.remove_block(nid, h)  # type: ignore[arg-type]
+            else:
+                index.add_block(nid, BlockRecord(BlockHash(h), 0, size, 0, medium))  # type: ignore[arg-type]
+
+    def _source(self, node: SimNode, loc: BlockLocation) -> Medium | None:
+        """The tier a load reads `loc`'s block from now; None: a failed read. The node's own
+        copy: from DRAM, else from its disk (`NodePool.get`); another node's DRAM copy: from
+        its DRAM only (one-sided, validated); its DISK copy: from its DRAM if the block is
+        back there, else from its disk (`TierReads.stage`)."""
+        holder = self._by_id[loc.node_id].tiers
+        if holder is None:
+            return None
+        h = loc.block_hash
+        if h in holder.dram:
+            return Medium.DRAM
+        if holder.disk is not None and h in holder.disk and (loc.node_id == node.node_id or loc.medium):
+            return Medium.DISK
+        return None
 
     # ---- the event loop ---------------------------------------------------------------
 
@@ -306,8 +375,10 @@ class Simulator:
                 assert node is not None
                 self._step_done(now, node)
         pools = [n.pool for n in self.nodes if n.pool is not None]
+        disks = [n.disk for n in self.nodes if n.disk is not None]
         return SimResult(list(requests), self.cfg, self.link_bytes, sum(p.evictions for p in pools),
-                         sum(p.puts for p in pools), now)
+                         sum(p.puts for p in pools), now, sum(d.writes for d in disks),
+                         sum(d.evictions for d in disks))
 
     def _release(self, now: float) -> None:
         req = self._pending.popleft()
@@ -388,24 +459,54 @@ class Simulator:
         return self._book_run(node, req, local, run) + self.profile.prefill_s(req.computed_tokens)
 
     def _book_run(self, node: SimNode, req: SimRequest, local: int, run: Sequence) -> float:
-        """Count `req`'s hits (`local` blocks in the node's KV cache, then `run` from the
-        pools), book the pulled bytes on their links, touch the own pool's blocks read;
-        returns the load's time."""
-        own = remote = 0
+        """Count `req`'s hits per tier (`local` blocks in the node's KV cache, then `run`, each
+        block read where `_source` finds it: every one readable), book the pulled bytes on
+        their links, make the reads' changes to the pools; returns the load's time."""
         bb = self.profile.block_bytes
         links = self.link_bytes
+        me = node.node_id
+        own_dram: list = []
+        own_disk: list = []
+        staged: dict[NodeId, list] = {}  # per holder, its disk blocks it stages (in run order)
+        remote = 0
+        # Every tier decided before a promotion moves any block. (A block gone since the lookup
+        # counts as a DRAM read, as before there was a disk: with --sync-loads the Recency saves
+        # made between lookup and load can evict one; async loads cut the run there instead.)
         for loc in run:
-            if loc.node_id == node.node_id:
-                own += 1
+            on_disk = self._source(node, loc) == Medium.DISK
+            if loc.node_id == me:
+                (own_disk if on_disk else own_dram).append(loc.block_hash)
+                continue
+            key = (loc.node_id, me)
+            links[key] = links.get(key, 0) + bb
+            if on_disk:
+                staged.setdefault(loc.node_id, []).append(loc.block_hash)
             else:
                 remote += 1
-                key = (loc.node_id, node.node_id)
-                links[key] = links.get(key, 0) + bb
-        if own and node.pool is not None:
-            node.pool.touch(loc.block_hash for loc in run if loc.node_id == node.node_id)  # a local read
-        req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, own, remote
-        req.computed_tokens = req.num_tokens - (local + own + remote) * self.bs
-        return self.profile.pull_s(remote * bb, own * bb)
+        self._read_tiers(node, own_dram, own_disk, staged)
+        remote_disk = sum(len(hs) for hs in staged.values())
+        req.local_blocks, req.own_pool_blocks, req.remote_blocks = local, len(own_dram), remote
+        req.own_disk_blocks, req.remote_disk_blocks = len(own_disk), remote_disk
+        req.computed_tokens = req.num_tokens - (local + req.pool_blocks) * self.bs
+        disk = len(own_disk) + remote_disk
+        return self.profile.pull_s((remote + remote_disk) * bb, len(own_dram) * bb) + \
+            self.profile.disk_read_s(disk * bb, disk)
+
+    def _read_tiers(self, node: SimNode, own_dram: list, own_disk: list, staged: dict[NodeId, list]) -> None:
+        """A load's reads' changes to the pools, in `NodePool.get`'s order: the node's DRAM
+        blocks at once (to its LRU's end), then its disk blocks (promoted into its DRAM),
+        then other nodes' disk blocks (each holder promotes them, in turn); a one-sided read of
+        another node's DRAM changes nothing there."""
+        tiers = node.tiers
+        if tiers is not None:
+            tiers.touch(own_dram)
+            for h in own_disk:
+                self._apply(node, tiers.read_own(h)[1])
+        for nid, hashes in staged.items():
+            holder = self._by_id[nid]
+            assert holder.tiers is not None
+            for h in hashes:
+                self._apply(holder, holder.tiers.stage(h)[1])
 
     def _issue_loads(self, now: float, node: SimNode) -> None:
         """At a step boundary, the scheduler's first look at each request queued since the
@@ -433,8 +534,7 @@ class Simulator:
             # the hit ends there (vLLM's recompute policy recomputes from the first failed block)
             ok = 0
             for loc in run:
-                src = self._by_id[loc.node_id].pool
-                if src is None or loc.block_hash not in src:
+                if self._source(node, loc) is None:
                     break
                 ok += 1
             req.failed_blocks = len(run) - ok
@@ -468,16 +568,17 @@ class Simulator:
         if not req.loaded:
             end = (req.num_tokens - 1) // self.bs
             req.local_blocks = node.kv_prefix(req.hashes[:end])
-            req.own_pool_blocks = req.remote_blocks = 0
+            req.own_pool_blocks = req.remote_blocks = req.own_disk_blocks = req.remote_disk_blocks = 0
             req.computed_tokens = req.num_tokens - req.local_blocks * self.bs
         return self.profile.prefill_s(req.computed_tokens)
 
     def _refresh(self, node: SimNode, hashes: Sequence, held: Sequence) -> None:
-        """The connector's Recency rule: a local hit touches its blocks in the node's pool and
-        saves again those the index held nowhere at lookup time."""
-        if node.pool is None:
+        """The connector's Recency rule: a local hit touches its blocks in the node's pool (in
+        DRAM, else on its disk: `NodePool.touch`) and saves again those the index held nowhere
+        at lookup time."""
+        if node.tiers is None:
             return
-        node.pool.touch(hashes)
+        node.tiers.touch(hashes)
         lacking = [h for j, h in enumerate(hashes) if j >= len(held) or held[j] is None]
         if lacking:
             self._save(node, lacking)
@@ -486,7 +587,7 @@ class Simulator:
         req.first_token_s = now
         full = req.hashes  # every full prompt block is in the node's cache now
         node.kv_insert(full)
-        done = req.local_blocks + req.own_pool_blocks + req.remote_blocks
+        done = req.local_blocks + req.pool_blocks
         self._save(node, full[done:])
         b = node.backend
         assert req.choice is not None
@@ -541,6 +642,11 @@ def oracles(requests: Sequence[SimRequest], block_size: int, capacity_blocks: in
 
 
 def summarize(res: SimResult, with_oracles: bool = True) -> dict:
+    """The replay's report. Hits in prompt tokens per tier: `hit_local_tokens` (the node's KV
+    cache), `hit_own_pool_tokens` (its own pool's DRAM), `hit_remote_tokens` (other nodes'
+    DRAM), `hit_own_disk_tokens` / `hit_remote_disk_tokens` (its own / other nodes' disk
+    tiers); `hit_rate` counts them all, `hit_rate_pool` every pool tier, and `hit_rate_*`
+    each. `capacity_blocks` (the oracles') is every KV cache, pool and disk tier together."""
     reqs = res.requests
     cfg = res.config
     bs = cfg.profile.block_size
@@ -548,6 +654,9 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
     local = sum(r.local_blocks for r in reqs) * bs
     own = sum(r.own_pool_blocks for r in reqs) * bs
     remote = sum(r.remote_blocks for r in reqs) * bs
+    own_disk = sum(r.own_disk_blocks for r in reqs) * bs
+    remote_disk = sum(r.remote_disk_blocks for r in reqs) * bs
+    pool = own + remote + own_disk + remote_disk
     ttft = [r.first_token_s - r.arrival_s for r in reqs]
     tpot = [r.tpot_s for r in reqs if r.output_tokens > 1]
     # queueing: the wait for the prefill's step, the load itself left out (as it was
@@ -560,15 +669,18 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
     for (src, dst), b in res.link_bytes.items():
         into[dst] = into.get(dst, 0) + b
         out_of[src] = out_of.get(src, 0) + b
-    capacity = cfg.nodes * (cfg.kv_blocks + cfg.pool_slots)
+    capacity = cfg.nodes * (cfg.kv_blocks + cfg.pool_slots + cfg.disk_slots)
     s = {
         "nodes": cfg.nodes, "policy": cfg.policy, "profile": cfg.profile.name, "requests": len(reqs),
         "kv_cache_blocks_per_node": cfg.kv_blocks, "pool_slots_per_node": cfg.pool_slots,
-        "capacity_blocks": capacity,
+        "disk_slots_per_node": cfg.disk_slots, "capacity_blocks": capacity,
         "prompt_tokens": prompt, "hit_local_tokens": local, "hit_own_pool_tokens": own,
-        "hit_remote_tokens": remote, "computed_tokens": prompt - local - own - remote,
-        "hit_rate": (local + own + remote) / prompt, "hit_rate_local": local / prompt,
-        "hit_rate_pool": (own + remote) / prompt,
+        "hit_remote_tokens": remote, "hit_own_disk_tokens": own_disk, "hit_remote_disk_tokens": remote_disk,
+        "computed_tokens": prompt - local - pool,
+        "hit_rate": (local + pool) / prompt, "hit_rate_local": local / prompt,
+        "hit_rate_pool": pool / prompt, "hit_rate_own_pool": own / prompt, "hit_rate_remote": remote / prompt,
+        "hit_rate_own_disk": own_disk / prompt, "hit_rate_remote_disk": remote_disk / prompt,
+        "hit_rate_disk": (own_disk + remote_disk) / prompt,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "queue_p50_s": percentile(queue, 50), "queue_p99_s": percentile(queue, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
@@ -579,6 +691,7 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
         "link_bytes_max": max(res.link_bytes.values(), default=0),
         "node_in_bytes_max": max(into.values(), default=0), "node_out_bytes_max": max(out_of.values(), default=0),
         "pool_puts": res.pool_puts, "pool_evictions": res.pool_evictions, "simulated_s": res.end_s,
+        "disk_writes": res.disk_writes, "disk_evictions": res.disk_evictions,
         "requests_per_node": [n for n in (sum(1 for r in reqs if r.node == i) for i in range(cfg.nodes))],
         "link_bytes": {f"{a}->{b}": v for (a, b), v in sorted(res.link_bytes.items())},
     }

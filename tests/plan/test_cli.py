@@ -41,6 +41,9 @@ def test_a_sweep_of_nodes(capsys: pytest.CaptureFixture[str]) -> None:
     (["--time-scale", "-1"], "--time-scale must be >= 0"),
     (["--block-size", "-16"], "--block-size must be >= 0"),
     (["--concurrency", "x"], "--concurrency must be an integer"),
+    (["--disk", "-1"], "--disk: cannot parse size"),
+    (["--disk", "lots"], "--disk: cannot parse size"),
+    (["--sweep", "disk=1GiB,x"], "--sweep disk: cannot parse size"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], extra: list[str], says: str) -> None:
     assert main(BASE + extra) == 2
@@ -95,3 +98,29 @@ def test_a_sweep_of_pool_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert [r[0] for r in rows] == ["0.00", "0.06", "1.00"]
     hits = [float(r[2].rstrip("%")) for r in rows]
     assert hits[0] < hits[2]  # a pool helps on 2 nodes
+
+
+SMALL_POOL = ["--nodes", "2", "--kv-cache", "12MiB", "--pool", "24MiB", "--no-oracles"]
+
+
+def test_a_report_with_a_disk_tier(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert main(BASE + SMALL_POOL + ["--disk", "1GiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "disk tier" in text and "own disk" in text and "other nodes' disks" in text
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["disk_slots_per_node"] == (1 << 30) // 741376 and run["disk_writes"] > 0
+    assert run["hit_rate_disk"] > 0
+    assert main(BASE + SMALL_POOL) == 0
+    assert "disk tier" not in capsys.readouterr().out  # no disk: the report as before
+
+
+def test_a_sweep_of_disk_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(BASE + SMALL_POOL + ["--sweep", "disk=0,1GiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "sweep of disk" in lines[0] and lines[1].split()[:6] == ["disk", "hit", "local", "pool", "disk", "inf"]
+    rows = [ln.split() for ln in lines[2:]]
+    assert [r[0] for r in rows] == ["0.00", "1.00"]
+    hits = [float(r[2].rstrip("%")) for r in rows]
+    disk = [float(r[5].rstrip("%")) for r in rows]
+    assert hits[0] < hits[1] and disk[0] == 0 < disk[1]

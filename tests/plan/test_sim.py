@@ -2,14 +2,18 @@
 token-level oracle of `kvpool bench cross-node`."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
 
+from kvpool.disk_file import disk_slot_bytes
 from kvpool.layout import slot_bytes_for
 from kvpool_bench.workloads import load_trace, lru_hits, mooncake_trace, prefix_oracle
 from kvpool_plan.profile import ModelProfile, load_profile
-from kvpool_plan.sim import SimConfig, build_requests, percentile, simulate, summarize
+from kvpool_plan.sim import (NAMESPACE, SimConfig, SimResult, Simulator, build_requests, percentile, simulate,
+                             summarize)
+from metaserver.types import Medium
 
 TRACE = "/work/shared/data/mooncake_synthetic_trace.jsonl"
 
@@ -268,3 +272,136 @@ def test_a_nodes_loads_share_its_link_one_after_another() -> None:
     assert (c.load_start_s, c.load_end_s) == (pytest.approx(1.0), pytest.approx(1.21))
     assert (e.load_start_s, e.load_end_s) == (pytest.approx(1.21), pytest.approx(1.42))
     assert ttft(res)[5] == pytest.approx(0.25) and ttft(res)[8] == pytest.approx(0.46)
+
+
+# ---- the disk tier ---------------------------------------------------------------------------
+
+# P with a disk: a block read from disk costs 0.005 s + 100 B / 1,000 B/s = 0.105 s.
+PD = dataclasses.replace(P, disk_read_bytes_per_s=1000.0, disk_read_latency_s=0.005)
+SLOT = slot_bytes_for(P.block_bytes)
+DISK_SLOT = disk_slot_bytes(P.block_bytes)
+
+
+def run_disk(specs: list, nodes: int = 1, disk_slots: int = 8, kv_blocks: int = 2,
+             policy: str = "round-robin") -> tuple[Simulator, SimResult]:
+    """Pools of 2 slots (a third block evicts both), disks of `disk_slots`, KV caches of
+    `kv_blocks` (small, so a prompt's first blocks leave it)."""
+    reqs = build_requests(rows(*specs), P.block_size, tokens_per_hash_id=4)
+    sim = Simulator(SimConfig(nodes, kv_blocks * P.block_bytes, 2 * SLOT, policy, PD,
+                              disk_bytes=disk_slots * DISK_SLOT))
+    return sim, sim.run(reqs)
+
+
+def media(sim: Simulator, node: int, hashes: list[int]) -> list:
+    """How the index lists `node`'s copy of each block: its medium, None if it has none."""
+    nid = sim.nodes[node].node_id
+    res = sim.index.query(NAMESPACE, hashes, requester=nid, sparse=True)
+    return [loc.medium if loc is not None and loc.node_id == nid else None for loc in res.held]
+
+
+# hash ids 1, 2, 3 at 4 tokens each: blocks 7, 11, 15 (the hash id's last token names a block)
+A_PROMPT, A_AGAIN = [1, 2, 3], [1, 2, 8]
+
+
+@pytest.mark.parametrize("disk_slots, own_disk, ttft_again", [
+    (0, 0, 0.12),   # no disk tier: 7 and 11 left the pool, recomputed (12 tokens)
+    (1, 0, 0.12),   # one disk slot: 11's write evicted 7; a run never starts after a gap
+    (2, 2, 0.25),   # both on disk: 2 x 0.105 s read, then 4 tokens (0.04 s)
+])
+def test_a_block_evicted_to_disk_is_hit_there_by_its_own_node(disk_slots: int, own_disk: int,
+                                                               ttft_again: float) -> None:
+    """The first prompt's saves evict 7 and 11 from a 2-slot pool (the third save evicts both)
+    into the disk tier; its KV cache of 2 blocks keeps 11 and 15 only. The same prefix again
+    reads 7 and 11 from the node's disk, if the disk still holds both."""
+    sim, res = run_disk([(0, A_PROMPT, 1), (1, A_AGAIN, 1)], disk_slots=disk_slots)
+    a, b = res.requests
+    assert (b.local_blocks, b.own_pool_blocks, b.remote_blocks, b.remote_disk_blocks) == (0, 0, 0, 0)
+    assert b.own_disk_blocks == own_disk and b.computed_tokens == 12 - 4 * own_disk
+    assert ttft(res) == [0.12, pytest.approx(ttft_again)]
+    assert res.link_bytes == {}
+    if own_disk:
+        # Read back = promoted into DRAM: 7 into a free slot; 11's put evicts 15 and 7, whose
+        # writes to the full disk drop 7 and then 11 (not in DRAM yet: unpublished), and 11
+        # is published from DRAM, as NodePool does it (tests/plan/test_eviction.py).
+        assert sim.nodes[0].disk is not None and sim.nodes[0].disk.blocks() == [15, 7]
+        assert media(sim, 0, [7, 11, 15]) == [Medium.DISK, Medium.DRAM, Medium.DISK]
+        s = summarize(res)
+        assert s["hit_rate_own_disk"] == s["hit_rate_disk"] == pytest.approx(8 / 24)
+        assert s["hit_rate"] == s["hit_rate_pool"] == pytest.approx(8 / 24) and s["hit_own_pool_tokens"] == 0
+        assert s["disk_slots_per_node"] == 2 and s["capacity_blocks"] == 2 + 2 + 2
+
+
+def test_the_index_lists_each_block_with_the_tier_it_is_in() -> None:
+    """After the first prompt: 7 and 11 went to disk (DISK), 15 is in DRAM; a disk of one
+    slot keeps 11 only, and 7 leaves the index."""
+    sim, _ = run_disk([(0, A_PROMPT, 1)])
+    assert media(sim, 0, [7, 11, 15]) == [Medium.DISK, Medium.DISK, Medium.DRAM]
+    sim, _ = run_disk([(0, A_PROMPT, 1)], disk_slots=1)
+    assert media(sim, 0, [7, 11, 15]) == [None, Medium.DISK, Medium.DRAM]
+    assert sim.nodes[0].disk is not None and sim.nodes[0].disk.evictions == 1
+
+
+def test_another_nodes_disk_block_is_staged_and_pulled() -> None:
+    """Round-robin: n0 computes the prompt and holds 7 and 11 on its disk only; n1's request
+    stages them (a disk read on n0, 2 x 0.105 s) and pulls them (0.01 + 200 B / 1,000 B/s),
+    then computes 4 tokens. n0 promoted them: 7 into DRAM, then 11's promotion evicted 15 and
+    7 back to disk."""
+    sim, res = run_disk([(0, A_PROMPT, 1), (1, A_AGAIN, 1)], nodes=2)
+    a, b = res.requests
+    assert (a.node, b.node) == (0, 1)
+    assert (b.remote_disk_blocks, b.remote_blocks, b.own_disk_blocks, b.computed_tokens) == (2, 0, 0, 4)
+    assert ttft(res) == [0.12, pytest.approx(0.21 + 0.21 + 0.04)]
+    assert res.link_bytes == {("n0", "n1"): 200}
+    assert media(sim, 0, [7, 11, 15]) == [Medium.DISK, Medium.DRAM, Medium.DISK]
+    s = summarize(res)
+    assert s["hit_rate_remote_disk"] == pytest.approx(8 / 24) and s["hit_remote_tokens"] == 0
+    # without disks the same requests recompute everything
+    _, off = run_disk([(0, A_PROMPT, 1), (1, A_AGAIN, 1)], nodes=2, disk_slots=0)
+    assert off.requests[1].computed_tokens == 12 and summarize(off)["hit_rate"] == 0
+
+
+def test_a_disk_block_gone_before_the_load_is_a_failed_read() -> None:
+    """Disks of 2 slots, round-robin. n1 is prefilling a 40-token prompt (0.5 to 0.9 s) when
+    the same prefix arrives there at 0.7: its lookup finds 7 and 11 on n0's disk. At 0.72
+    n0's saves of another prompt push them off its disk; the load issued at n1's step boundary
+    (0.9) fails at the run's first block and the prompt is recomputed."""
+    _, res = run_disk([(0, A_PROMPT, 1), (0.5, list(range(30, 40)), 1), (0.6, [40, 41, 42], 1),
+                       (0.7, A_AGAIN, 1)], nodes=2, disk_slots=2)
+    d = res.requests[3]
+    assert [r.node for r in res.requests] == [0, 1, 0, 1]
+    assert (d.failed_blocks, d.pool_blocks, d.computed_tokens) == (2, 0, 12)
+    assert ttft(res)[3] == pytest.approx(0.9 - 0.7 + 0.12)
+    assert summarize(res)["failed_read_tokens"] == 8
+    # a third prompt of one block evicts nothing: the same load reads both from n0's disk
+    _, res = run_disk([(0, A_PROMPT, 1), (0.5, list(range(30, 40)), 1), (0.6, [40], 1), (0.7, A_AGAIN, 1)],
+                      nodes=2, disk_slots=2)
+    d = res.requests[3]
+    assert (d.node, d.remote_disk_blocks, d.failed_blocks, d.computed_tokens) == (1, 2, 0, 4)
+
+
+def test_a_disk_tier_raises_the_hit_rate_on_a_trace() -> None:
+    """A window of the public trace on 2 nodes with small DRAM pools: a disk tier under them
+    holds what DRAM drops, so more prompt tokens hit; never above the infinite oracle."""
+    rows_ = load_trace(TRACE, 300, 3500)
+    prof = load_profile("cpu-smollm2-135m")
+    out = {}
+    for disk in (0, 1 << 30):
+        reqs = build_requests(rows_, 16, 16, 256, 16)
+        cfg = SimConfig(2, 16 * prof.block_bytes, 32 * slot_bytes_for(prof.block_bytes), "round-robin", prof,
+                        disk_bytes=disk)
+        out[disk] = summarize(simulate(reqs, cfg))
+    off, on = out[0], out[1 << 30]
+    assert off["hit_rate_disk"] == 0 and off["disk_writes"] == 0
+    assert on["hit_rate"] > off["hit_rate"] and on["hit_rate_disk"] > 0 and on["disk_writes"] > 0
+    assert on["hit_rate"] <= on["oracle_infinite"] + 1e-9
+    assert on["hit_rate_disk"] == pytest.approx(on["hit_rate_own_disk"] + on["hit_rate_remote_disk"])
+    assert on["hit_rate_pool"] == pytest.approx(on["hit_rate_own_pool"] + on["hit_rate_remote"] + on["hit_rate_disk"])
+
+
+def test_no_disk_tier_without_a_pool_and_bad_sizes() -> None:
+    assert SimConfig(1, BIG, 0, "round-robin", PD, disk_bytes=BIG).disk_slots == 0
+    assert SimConfig(1, BIG, SLOT, "round-robin", PD, disk_bytes=3 * DISK_SLOT - 1).disk_slots == 2
+    with pytest.raises(ValueError, match="--disk must be >= 0"):
+        SimConfig(1, BIG, SLOT, "round-robin", PD, disk_bytes=-1)
+    with pytest.raises(ValueError, match="disk_read_bytes_per_s"):
+        dataclasses.replace(P, disk_read_bytes_per_s=0)
