@@ -42,15 +42,15 @@ from metaserver.types import Medium
 Change = tuple[Hashable, Medium | None]
 
 
-class PoolLRU:
-    def __init__(self, num_slots: int, evict_batch: int = 16) -> None:
-        if num_slots < 1 or evict_batch < 1:
-            raise ValueError("num_slots and evict_batch must be >= 1")
+class _Slots:
+    """Blocks held one per slot, least recently used first (a tier's LRU without its memory)."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
         self.num_slots = num_slots
-        self.evict_batch = evict_batch
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
         self.evictions = 0
-        self.puts = 0
 
     def __contains__(self, h: Hashable) -> bool:
         return h in self._lru
@@ -61,6 +61,15 @@ class PoolLRU:
     def blocks(self) -> list[Hashable]:
         """Held blocks, least recently used first."""
         return list(self._lru)
+
+
+class PoolLRU(_Slots):
+    def __init__(self, num_slots: int, evict_batch: int = 16) -> None:
+        if num_slots < 1 or evict_batch < 1:
+            raise ValueError("num_slots and evict_batch must be >= 1")
+        super().__init__(num_slots)
+        self.evict_batch = evict_batch
+        self.puts = 0
 
     def put(self, h: Hashable) -> tuple[bool, list[Hashable]]:
         """(stored, the blocks evicted to make room); a held block is only moved to the end."""
@@ -88,27 +97,13 @@ class PoolLRU:
         return n
 
 
-class DiskLRU:
+class DiskLRU(_Slots):
     """A node's disk tier without its file: the blocks `kvpool.disk.DiskTier` holds, one per
     slot, least recently used first (see the module docstring)."""
 
     def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
-            raise ValueError("num_slots must be >= 1")
-        self.num_slots = num_slots
-        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        super().__init__(num_slots)
         self.writes = 0
-        self.evictions = 0
-
-    def __contains__(self, h: Hashable) -> bool:
-        return h in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def blocks(self) -> list[Hashable]:
-        """Held blocks, least recently used first."""
-        return list(self._lru)
 
     def offer(self, h: Hashable) -> tuple[bool, list[Hashable]]:
         """A block evicted from DRAM (`DiskTier.offer`): (written, the block that left the disk
