@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from kvpool_bench.cross_node import VOCAB_WARM, Result, _save, run_workload
-from kvpool_bench.report import pct, write_report
+from kvpool_bench.report import TPOT_SLO_S, TTFT_SLO_S, pct, write_report
 from kvpool_bench.workloads import BenchRequest
 from kvpool_harness.engine_node import http_json
 
@@ -51,8 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--long-output", type=int, default=96)
     p.add_argument("--short-prompt", default="64,256", help="MIN,MAX prompt tokens of a short chat")
     p.add_argument("--short-output", type=int, default=32)
-    p.add_argument("--ttft-slo", type=float, default=4.0, help="goodput: TTFT objective (s)")
-    p.add_argument("--tpot-slo", type=float, default=0.15, help="goodput: TPOT objective (s)")
+    p.add_argument("--ttft-slo", type=float, default=TTFT_SLO_S, help="goodput: TTFT objective (s)")
+    p.add_argument("--tpot-slo", type=float, default=TPOT_SLO_S, help="goodput: TPOT objective (s)")
     p.add_argument("--kv-cache-bytes", default="256MiB")
     p.add_argument("--pool-size", default="1GiB")
     p.add_argument("--model", default="smollm2-135m")

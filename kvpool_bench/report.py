@@ -4,6 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Goodput's service-level objectives by default (`kvpool bench pd`, `kvpool plan`): a request
+# counts when its TTFT and its TPOT (mean gap between tokens after the first) are within them.
+TTFT_SLO_S = 4.0
+TPOT_SLO_S = 0.15
+
 
 def pct(values: list[float], q: float) -> float:
     """The q-th percentile (nearest rank below); NaN for no values."""

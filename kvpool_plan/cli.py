@@ -33,6 +33,7 @@ import sys
 import time
 
 from kvpool.layout import parse_size
+from kvpool_bench.report import TPOT_SLO_S, TTFT_SLO_S
 from kvpool_bench.workloads import load_trace
 from kvpool_plan import capacity, compare
 from kvpool_plan.compare import sim_rows
@@ -75,6 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(as `kvpool bench cross-node` without --time-scale); 0 = arrival times")
     p.add_argument("--sweep", default="",
                    help="KEY=V1,V2,...: one run per value (nodes, pool, disk, kv-cache, policy)")
+    p.add_argument("--ttft-slo", default=str(TTFT_SLO_S), help="goodput: TTFT objective (s)")
+    p.add_argument("--tpot-slo", default=str(TPOT_SLO_S), help="goodput: TPOT objective (s)")
     p.add_argument("--sync-loads", action="store_true",
                    help="load inside the prefill's engine step (the first version's model) instead of "
                         "asynchronously from arrival, as the real connectors do")
@@ -92,7 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     k.add_argument("--all", action="store_true", help="also the traces merged by time (the paper's 'All')")
     k.add_argument("--hash-id-tokens", default="512", help="tokens a trace hash id names (512 in Mooncake's)")
     k.add_argument("--names", default="", help="the traces' names, comma-separated (default: their file names)")
-    k.add_argument("--plot", default="", help="draw the curves into this PNG")
+    k.add_argument("--plot", default="", help="draw the curves (or a --sweep's figures) into this PNG")
     k.add_argument("--reference", default="",
                    help='published points to draw beside ours: JSON {"label": ..., "curves": {NAME: [[tokens, rate], ...]}}')
     c = p.add_argument_group("calibrate (kvpool_plan.calibrate)")
@@ -197,6 +200,8 @@ def report(s: dict) -> str:
         f"TTFT p50 / p99      {s['ttft_p50_s']:.3f} / {s['ttft_p99_s']:.3f} s  "
         f"(queueing p50 / p99 {s['queue_p50_s']:.3f} / {s['queue_p99_s']:.3f} s)",
         f"TPOT p50 / p99      {1000 * s['tpot_p50_s']:.1f} / {1000 * s['tpot_p99_s']:.1f} ms",
+        f"goodput             {s['goodput_rps']:.3f} req/s ({s['slo_met']:,} of {s['requests']:,} within TTFT "
+        f"{s['ttft_slo_s']:g} s and TPOT {1000 * s['tpot_slo_s']:g} ms)",
         (f"loads               {s['loads']} asynchronous, done p50 / p99 {s['load_done_p50_s']:.3f} / "
          f"{s['load_done_p99_s']:.3f} s after arrival; failed reads {s['failed_read_tokens']:,} tokens"
          if s.get("async_loads") else "loads               inside the prefill's step (--sync-loads)"),
@@ -208,19 +213,61 @@ def report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def _swept(s: dict, key: str) -> str:
+    """A run's value of the swept `key`, as the table and the plot label it."""
+    return {"nodes": str(s["nodes"]), "pool": _gib(s["_pool_bytes"]), "disk": _gib(s["_disk_bytes"]),
+            "kv-cache": _gib(s["_kv_cache_bytes"]), "policy": s["policy"]}[key]
+
+
 def table(rows: list[dict], key: str) -> str:
     head = (f"{key:>12} {'hit':>6} {'local':>6} {'pool':>6} {'disk':>6} {'inf':>6} {'LRU':>6} {'Belady':>6} "
-            f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'moved':>10} {'wall':>6}")
+            f"{'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'goodput':>8} {'moved':>10} {'wall':>6}")
     out = [head]
     for s in rows:
-        val = {"nodes": s["nodes"], "pool": _gib(s["_pool_bytes"]), "disk": _gib(s["_disk_bytes"]),
-               "kv-cache": _gib(s["_kv_cache_bytes"]), "policy": s["policy"]}[key]
+        val = _swept(s, key)
         o = [_pct(s[k]) if k in s else "     -" for k in ("oracle_infinite", "oracle_lru", "oracle_belady")]
         out.append(f"{val!s:>12} {_pct(s['hit_rate'])} {_pct(s['hit_rate_local'])} {_pct(s['hit_rate_pool'])} "
                    f"{_pct(s['hit_rate_disk'])} "
                    f"{o[0]} {o[1]} {o[2]} {s['ttft_p50_s']:8.3f}s {s['ttft_p99_s']:6.2f}s "
-                   f"{1000 * s['tpot_p50_s']:7.1f}ms {_gib(s['bytes_moved']):>10} {s['_wall_s']:5.1f}s")
+                   f"{1000 * s['tpot_p50_s']:7.1f}ms {s['goodput_rps']:8.3f} {_gib(s['bytes_moved']):>10} "
+                   f"{s['_wall_s']:5.1f}s")
     return "\n".join(out)
+
+
+def plot_sweep(rows: list[dict], key: str, out: str) -> str:
+    """A sweep's figures against the swept value: hit rate (with the oracles) and goodput on
+    the left, TTFT p50 and p99 on the right."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [_swept(s, key) for s in rows]
+    x = list(range(len(rows)))
+    fig, (ax, at) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax.plot(x, [s["hit_rate"] for s in rows], marker="o", label="hit rate")
+    for k, name in (("oracle_lru", "LRU oracle"), ("oracle_belady", "Belady")):
+        if all(k in s for s in rows):
+            ax.plot(x, [s[k] for s in rows], ls=":", marker=".", label=name)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("hit rate (of prompt tokens)")
+    g = ax.twinx()
+    g.plot(x, [s["goodput_rps"] for s in rows], color="tab:green", marker="s", ms=3, label="goodput")
+    g.set_ylabel("goodput (req/s)")
+    ax.legend(fontsize=7, loc="upper left")
+    g.legend(fontsize=7, loc="lower right")
+    at.plot(x, [s["ttft_p50_s"] for s in rows], marker="o", label="TTFT p50")
+    at.plot(x, [s["ttft_p99_s"] for s in rows], marker="o", label="TTFT p99")
+    at.set_yscale("log")
+    at.set_ylabel("seconds")
+    at.legend(fontsize=7)
+    for a in (ax, at):
+        a.set_xticks(x, labels)
+        a.set_xlabel(key)
+        a.grid(alpha=0.3)
+    fig.suptitle(f"{rows[0]['requests']} requests, profile {rows[0]['profile']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def _ints(name: str, text: str) -> list[int]:
@@ -356,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
     if not scale >= 0:
         raise BadInput(f"--time-scale must be >= 0, got {args.time_scale}")
     block_size = _int("--block-size", args.block_size)
+    ttft_slo, tpot_slo = _float("--ttft-slo", args.ttft_slo), _float("--tpot-slo", args.tpot_slo)
     try:
         profile = load_profile(args.model_profile)
         if block_size:
@@ -383,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, KeyError) as err:
             raise BadInput(str(err)) from None
         res = simulate(reqs, cfg, concurrency)
-        s = summarize(res, with_oracles=not args.no_oracles)
+        s = summarize(res, not args.no_oracles, ttft_slo, tpot_slo)
         if args.json:  # per request, for `kvpool plan compare`
             s["request_rows"] = sim_rows(res.requests)
         s.update({"_wall_s": time.perf_counter() - t0, "_pool_bytes": c["pool_bytes"],
@@ -395,6 +443,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         print(f"{len(rows)} requests, profile {profile.name}; sweep of {args.sweep.partition('=')[0]}")
         print(table(results, args.sweep.partition("=")[0]))
+        if args.plot:
+            print(f"plot: {plot_sweep(results, args.sweep.partition('=')[0], args.plot)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trace": args.trace, "runs": results}, f, indent=1)

@@ -96,7 +96,7 @@ from dataclasses import dataclass, field
 
 from kvpool.disk_file import disk_slot_bytes
 from kvpool.layout import slot_bytes_for
-from kvpool_bench.report import pct
+from kvpool_bench.report import TPOT_SLO_S, TTFT_SLO_S, pct
 from kvpool_bench.workloads import belady_hits, lru_hits
 from kvpool_plan.eviction import Change, DiskLRU, PoolLRU, TieredPool
 from kvpool_plan.profile import ModelProfile
@@ -641,12 +641,15 @@ def oracles(requests: Sequence[SimRequest], block_size: int, capacity_blocks: in
     return out
 
 
-def summarize(res: SimResult, with_oracles: bool = True) -> dict:
+def summarize(res: SimResult, with_oracles: bool = True, ttft_slo_s: float = TTFT_SLO_S,
+              tpot_slo_s: float = TPOT_SLO_S) -> dict:
     """The replay's report. Hits in prompt tokens per tier: `hit_local_tokens` (the node's KV
     cache), `hit_own_pool_tokens` (its own pool's DRAM), `hit_remote_tokens` (other nodes'
     DRAM), `hit_own_disk_tokens` / `hit_remote_disk_tokens` (its own / other nodes' disk
     tiers); `hit_rate` counts them all, `hit_rate_pool` every pool tier, and `hit_rate_*`
-    each. `capacity_blocks` (the oracles') is every KV cache, pool and disk tier together."""
+    each. `capacity_blocks` (the oracles') is every KV cache, pool and disk tier together.
+    `goodput_rps`: the requests within both `ttft_slo_s` and `tpot_slo_s` (`slo_met`) per
+    second of simulated time."""
     reqs = res.requests
     cfg = res.config
     bs = cfg.profile.block_size
@@ -659,6 +662,9 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
     pool = own + remote + own_disk + remote_disk
     ttft = [r.first_token_s - r.arrival_s for r in reqs]
     tpot = [r.tpot_s for r in reqs if r.output_tokens > 1]
+    # goodput as `kvpool bench pd` counts it: requests within both objectives, per second
+    # (of the simulated time; a one-token answer has no TPOT and meets that objective)
+    good = sum(t <= ttft_slo_s and r.tpot_s <= tpot_slo_s for t, r in zip(ttft, reqs, strict=True))
     # queueing: the wait for the prefill's step, the load itself left out (as it was
     # when the load was part of that step)
     queue = [r.start_s - r.arrival_s - (r.load_end_s - r.load_start_s) for r in reqs]
@@ -684,6 +690,8 @@ def summarize(res: SimResult, with_oracles: bool = True) -> dict:
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "queue_p50_s": percentile(queue, 50), "queue_p99_s": percentile(queue, 99),
         "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+        "ttft_slo_s": ttft_slo_s, "tpot_slo_s": tpot_slo_s, "slo_met": good,
+        "goodput_rps": good / res.end_s if res.end_s > 0 else 0.0,
         "async_loads": cfg.async_loads, "loads": len(loads),
         "load_done_p50_s": percentile(loads, 50), "load_done_p99_s": percentile(loads, 99),
         "failed_read_tokens": failed,

@@ -124,3 +124,13 @@ def test_a_sweep_of_disk_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     hits = [float(r[2].rstrip("%")) for r in rows]
     disk = [float(r[5].rstrip("%")) for r in rows]
     assert hits[0] < hits[1] and disk[0] == 0 < disk[1]
+
+
+def test_a_sweep_prints_goodput_and_draws_its_figures(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "sweep.png"
+    assert main(BASE + ["--sweep", "pool=0,1GiB", "--no-oracles", "--ttft-slo", "0.5", "--plot", str(png)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "goodput" in lines[1] and lines[-1] == f"plot: {png}"
+    assert png.stat().st_size > 10_000
+    assert main(BASE + ["--ttft-slo", "0"]) == 2
+    assert "--ttft-slo must be > 0" in capsys.readouterr().err

@@ -405,3 +405,15 @@ def test_no_disk_tier_without_a_pool_and_bad_sizes() -> None:
         SimConfig(1, BIG, SLOT, "round-robin", PD, disk_bytes=-1)
     with pytest.raises(ValueError, match="disk_read_bytes_per_s"):
         dataclasses.replace(P, disk_read_bytes_per_s=0)
+
+
+def test_goodput_counts_the_requests_within_both_objectives() -> None:
+    # TTFTs 0.12 and 0.04 s (the first test's case); request a decodes 2 more tokens (TPOT 0.1 s)
+    res = run([(0, [1, 2, 3], 3), (1, [1, 2, 4], 1)])
+    assert ttft(res) == [0.12, 0.04]
+    assert res.requests[0].tpot_s == pytest.approx(0.1)
+    end = res.end_s
+    assert summarize(res, False, 1.0, 1.0)["slo_met"] == 2
+    s = summarize(res, False, 0.1, 1.0)  # a's TTFT misses
+    assert s["slo_met"] == 1 and s["goodput_rps"] == pytest.approx(1 / end)
+    assert summarize(res, False, 1.0, 0.05)["slo_met"] == 1  # a's TPOT misses; b has no TPOT
