@@ -94,6 +94,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--admin-token-file", default="",
                    help=f"file with the admin token (default: ${ADMIN_TOKEN_ENV}); with no token every call is open")
     p.add_argument("--node-token-file", default="", help=f"file with the node token (default: ${NODE_TOKEN_ENV})")
+    from metaserver.config import MetaServerConfig as C
+    p.add_argument("--etcd-compact-interval", type=float, default=C.etcd_compact_interval_s,
+                   help="compact etcd's history every this many seconds (0: leave it to etcd)")
+    p.add_argument("--etcd-compact-keep", type=int, default=C.etcd_compact_keep,
+                   help="revisions of history each compaction keeps")
 
 
 def _token(path: str, env: str, what: str) -> str:
@@ -111,7 +116,9 @@ def main(args: argparse.Namespace) -> int:
                                   hash_bytes=args.hash_bytes, tls_cert_file=args.tls_cert,
                                   tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca,
                                   admin_token=_token(args.admin_token_file, ADMIN_TOKEN_ENV, "admin token"),
-                                  node_token=_token(args.node_token_file, NODE_TOKEN_ENV, "node token"))
+                                  node_token=_token(args.node_token_file, NODE_TOKEN_ENV, "node token"),
+                                  etcd_compact_interval_s=args.etcd_compact_interval,
+                                  etcd_compact_keep=args.etcd_compact_keep)
     except ValueError as err:
         print(f"kvpool metaserver: error: {err}", file=sys.stderr)
         return 2

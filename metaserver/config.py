@@ -25,6 +25,11 @@ class MetaServerConfig:
     etcd_timeout_s: float = 2.0                     # deadline of every etcd call
     etcd_retry_s: float = 0.2                       # first backoff after etcd failed
     shutdown_flush_s: float = 5.0                   # SIGTERM: time to write the queue through
+    # etcd's history, compacted by the metaserver (as kube-apiserver does): every interval, to
+    # the current revision less `etcd_compact_keep`. etcd's own auto-compaction runs only on
+    # a leader that has lived a whole period, which members restarted often never do.
+    etcd_compact_interval_s: float = 300.0          # 0 = leave it to etcd's own settings
+    etcd_compact_keep: int = 10_000                 # revisions kept (a lagging watcher reloads)
     # TLS (PEM files; all "" = plaintext gRPC). A client CA turns on mutual TLS: every
     # client must present a certificate it signed.
     tls_cert_file: str = ""                         # server certificate chain
@@ -56,6 +61,8 @@ class MetaServerConfig:
                      "max_inflight_txns", "max_pending_writes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.etcd_compact_interval_s < 0 or self.etcd_compact_keep < 1:
+            raise ValueError("etcd_compact_interval_s must be >= 0 and etcd_compact_keep >= 1")
         if self.etcd_timeout_s <= 0 or self.etcd_retry_s <= 0:
             raise ValueError("etcd_timeout_s and etcd_retry_s must be > 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

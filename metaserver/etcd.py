@@ -165,6 +165,18 @@ class EtcdClient:
             raise _wrap(err, "status") from None
         return resp.header.revision
 
+    async def compact(self, revision: int) -> bool:
+        """Compact etcd's history up to `revision` (not physically: etcd frees the pages in
+        the background). False if that revision is compacted already (by etcd itself or
+        another replica); raises EtcdUnavailable / EtcdError otherwise."""
+        try:
+            await self._kv.Compact(rpc.CompactionRequest(revision=revision), timeout=self.timeout_s * 5)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (err.details() or ""):
+                return False
+            raise _wrap(err, "compact") from None
+        return True
+
     async def probe(self, key: bytes, timeout_s: float | None = None) -> int:
         """A cheap liveness check: a linearizable count-only range on `key` (it needs a leader
         and a quorum, as writes and lease renewals do). Returns the revision; raises

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar, cast
 
 from metaserver.auth import new_session_token, session_digest, session_matches
+from metaserver.compactor import HistoryCompactor
 from metaserver.config import MetaServerConfig
 from metaserver.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                Unavailable)
@@ -97,6 +98,7 @@ class MetaService:
         self.store = DurableStore(config, etcd, self.lock, on_lease_lost=self._lease_lost)
         self.counters = Counters()
         self._watch_task: asyncio.Task[None] | None = None
+        self.compactor = HistoryCompactor(etcd, config.etcd_compact_interval_s, config.etcd_compact_keep)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ class MetaService:
             self._rebuild(snap)
         self.store.start()
         self._watch_task = asyncio.create_task(self._follow(snap.revision + 1), name="etcd-watch")
+        self.compactor.start()
         log.info("index loaded from etcd at revision %d: %d nodes, %d block copies",
                  snap.revision, len(snap.nodes), len(snap.blocks))
 
@@ -117,6 +120,7 @@ class MetaService:
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
+        await self.compactor.stop()
         await self.store.stop()
 
     def _rebuild(self, snap: Snapshot) -> None:
