@@ -5,7 +5,8 @@ Why not only etcd's `--auto-compaction-*`: etcd 3.4 compacts on the leader alone
 once that member has run a whole period (periodic mode) or reached its 5-minute tick
 (revision mode); members restarted more often than that never compact, and the history,
 the bbolt file and the member's RSS grow (found by `kvpool bench chaos`: one compaction per
-15-25 minutes with a 10-minute retention). Every replica runs one; a revision compacted
+15-25 minutes with a 10-minute retention). Every replica runs one, its first round soon
+after it starts (the nemesis restarts replicas too); a revision compacted
 already (by etcd or the other replica) is skipped. A replica's watch that falls more than
 `keep` revisions behind gets WatchCompacted and reloads the index, as after any compaction.
 """
@@ -37,19 +38,23 @@ class HistoryCompactor:
         self.compacted = target
         return target if done else 0
 
-    def start(self) -> None:
-        """Run `compact_once` every `interval_s` (0: never) until `stop`."""
+    def start(self, first_after_s: float = 30.0) -> None:
+        """Run `compact_once` `first_after_s` after the start (at most `interval_s`), then every
+        `interval_s` (0: never), until `stop`. The early first round: replicas that are
+        restarted more often than `interval_s` still compact."""
         if self.interval_s > 0:
-            self._task = asyncio.create_task(self._run(), name="etcd-compact")
+            self._task = asyncio.create_task(self._run(min(first_after_s, self.interval_s)), name="etcd-compact")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def _run(self) -> None:
+    async def _run(self, first_after_s: float) -> None:
+        wait = first_after_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(wait)
+            wait = self.interval_s
             try:
                 rev = await self.compact_once()
             except EtcdError as err:  # etcd down or without quorum: the next round tries again

@@ -25,6 +25,15 @@ def compact_revision(etcd: EtcdProcess) -> int:
     raise AssertionError("etcd has no compact_revision gauge")
 
 
+async def writes(etcd: EtcdProcess, n: int) -> int:
+    """`n` revisions under a key the metaserver does not own; the last revision."""
+    c = EtcdClient([etcd.endpoint])
+    for i in range(n):
+        rev = await c.txn([Put(b"/other/k", b"%d" % i)])
+    await c.close()
+    return rev
+
+
 def test_compact_once_keeps_the_last_revisions(etcd: EtcdProcess) -> None:
     async def main() -> None:
         c = EtcdClient([etcd.endpoint])
@@ -48,20 +57,21 @@ def test_compact_once_keeps_the_last_revisions(etcd: EtcdProcess) -> None:
     asyncio.run(main())
 
 
-def test_a_metaserver_compacts_on_its_own_and_keeps_following(
+def test_a_metaserver_compacts_on_its_own_and_keeps_serving(
         etcd: EtcdProcess, metaserver_factory: Callable[..., MetaserverProcess]) -> None:
     assert compact_revision(etcd) <= 0  # never compacted (etcd says -1)
     ms = metaserver_factory("--etcd-compact-interval", "0.2", "--etcd-compact-keep", "5")
-
-    async def writes(n: int) -> int:
-        c = EtcdClient([etcd.endpoint])
-        for i in range(n):
-            rev = await c.txn([Put(b"/other/k", b"%d" % i)])
-        await c.close()
-        return rev
-
-    rev = asyncio.run(writes(40))
+    rev = asyncio.run(writes(etcd, 40))
     wait_for(lambda: compact_revision(etcd) >= rev - 5, timeout_s=60)
     assert compact_revision(etcd) <= rev - 5  # never past what `keep` leaves
     assert ms.proc is not None and ms.proc.poll() is None
+    assert "etcd history compacted to revision" in ms.log_path.read_text()
+
+
+def test_a_restarted_metaserver_compacts_before_its_interval(
+        etcd: EtcdProcess, metaserver_factory: Callable[..., MetaserverProcess]) -> None:
+    """An interval of an hour: only the round soon after the start (30 s) can compact."""
+    rev = asyncio.run(writes(etcd, 40))
+    ms = metaserver_factory("--etcd-compact-interval", "3600", "--etcd-compact-keep", "5")
+    wait_for(lambda: compact_revision(etcd) >= rev - 5, timeout_s=120)
     assert "etcd history compacted to revision" in ms.log_path.read_text()
