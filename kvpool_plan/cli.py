@@ -328,6 +328,16 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(path: str, limit: int = 0, first: int = 0) -> list[dict]:
+    """`load_trace`, its failures as one-line BadInput."""
+    try:
+        return load_trace(path, limit, first)
+    except OSError as err:
+        raise BadInput(f"--trace {path}: {err.strerror or err}") from None
+    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+        raise BadInput(f"--trace {path}: {err}") from None
+
+
 def run_capacity(args: argparse.Namespace) -> int:
     if not args.trace:
         raise BadInput("capacity: --trace FILE[,FILE...] is required")
@@ -353,12 +363,7 @@ def run_capacity(args: argparse.Namespace) -> int:
             raise BadInput(f"--reference {args.reference}: {err}") from None
     traces = {}
     for name, path in zip(names, paths, strict=True):
-        try:
-            traces[name] = load_trace(path)
-        except OSError as err:
-            raise BadInput(f"--trace {path}: {err.strerror or err}") from None
-        except (ValueError, TypeError) as err:
-            raise BadInput(f"--trace {path}: {err}") from None
+        traces[name] = _trace(path)
     if args.all and len(traces) > 1:
         traces["all"] = capacity.merge(list(traces.values()))
     try:
@@ -410,12 +415,7 @@ def run(args: argparse.Namespace) -> int:
             profile = dataclasses.replace(profile, block_size=block_size)
     except ValueError as err:
         raise BadInput(str(err)) from None
-    try:
-        rows = load_trace(args.trace, limit, first)
-    except OSError as err:
-        raise BadInput(f"--trace {args.trace}: {err.strerror or err}") from None
-    except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
-        raise BadInput(f"--trace {args.trace}: {err}") from None
+    rows = _trace(args.trace, limit, first)
     if not rows:
         raise BadInput(f"--trace {args.trace}: no requests in the window")
     results = []
