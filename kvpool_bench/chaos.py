@@ -53,7 +53,8 @@ The checker's rules (any one broken: verdict FAIL, exit code 1):
      started again since is counted too, and the report says how often it was).
 
 The etcd members compact their history periodically (`--etcd-compaction`) and snapshot
-every `--etcd-snapshot-count` raft entries, as the Helm chart's do; `--distinct-conversations`
+every `--etcd-snapshot-count` raft entries, with Go's memory limit `--etcd-gomemlimit`, as
+the Helm chart's do; `--distinct-conversations`
 bounds the set of prompts (and so the reference answers) of a long run.
 
 Not built: partitions elsewhere (between the nodes' transfer ports, or an
@@ -189,10 +190,13 @@ class ChaosCluster:
         self.engine_args = ("--threads", "1", "--kv-cache-bytes", args.kv_cache_bytes)
         # As deployed (the Helm chart's flags): periodic compaction, with a retention an hour-long
         # run reaches (else etcd keeps every revision), and a snapshot every --etcd-snapshot-count
-        # raft entries (etcd holds the entries since the last one in memory).
+        # raft entries (etcd holds the entries since the last one in memory); GOMEMLIMIT, as
+        # the chart's etcd.goMemLimit sets it, so that Go's heap target (twice the live heap by
+        # default) is bounded by what the member is given, not by its largest live heap so far.
         self.etcd = EtcdCluster(run_dir, ETCD, extra_args=(
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", args.etcd_compaction,
-            "--snapshot-count", str(args.etcd_snapshot_count)))
+            "--snapshot-count", str(args.etcd_snapshot_count)),
+            env={"GOMEMLIMIT": args.etcd_gomemlimit} if args.etcd_gomemlimit else None)
         self.replicas = [MetaserverProcess(self.etcd.endpoints, run_dir / f"ms-{i}.log") for i in range(REPLICAS)]
         self.ms = ",".join(m.address for m in self.replicas)
         # Each node reaches each replica through a proxy of its own (a partition cuts one
@@ -648,6 +652,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--etcd-compaction", default="10m", help="etcd --auto-compaction-retention (periodic)")
     p.add_argument("--etcd-snapshot-count", type=int, default=10000,
                    help="etcd --snapshot-count (the Helm chart's default; etcd 3.4's own is 100000)")
+    p.add_argument("--etcd-gomemlimit", default="80MiB",
+                   help="each etcd member's GOMEMLIMIT (the chart's etcd.goMemLimit; '': none). Sized for "
+                        "this cluster's members: about 50 MiB of live heap")
     p.add_argument("--pool-size", default="48MiB", help="each node's DRAM pool (small: it evicts to disk)")
     p.add_argument("--pool-disk-size", default="192MiB", help="each node's disk tier")
     p.add_argument("--kv-cache-bytes", default="64MiB")

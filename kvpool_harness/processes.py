@@ -38,10 +38,10 @@ class EtcdProcess:
 
     def __init__(self, data_dir: Path, client_port: int | None = None, peer_port: int | None = None,
                  fast: bool = True, name: str = "kvpool-etcd", initial_cluster: str = "",
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         """`name` and `initial_cluster` (NAME=PEER_URL,...): a member of a multi-member
         cluster (`EtcdCluster`); by default a cluster of one. `extra_args`: more etcd flags
-        (e.g. auto-compaction, as deployed)."""
+        (e.g. auto-compaction, as deployed); `env`: more environment (e.g. GOMEMLIMIT)."""
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -49,6 +49,7 @@ class EtcdProcess:
         self.name = name
         self.initial_cluster = initial_cluster
         self.extra_args = tuple(extra_args)
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.with_suffix(".log")
 
@@ -89,7 +90,8 @@ class EtcdProcess:
         args += list(self.extra_args)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env} if self.env else None)
 
     def wait_healthy(self, timeout_s: float = 15.0) -> None:
         self._wait_healthy(timeout_s)
@@ -143,13 +145,15 @@ class EtcdCluster:
     own data folder RUN/etcd-<i> and free ports; a member started again (`members[i].start()`)
     keeps its folder and ports, so it rejoins as itself. `fast=False`: etcd's default
     heartbeat and election timeout (members that share busy cores with engine nodes would
-    otherwise hold elections all the time). `extra_args`: more flags for every member."""
+    otherwise hold elections all the time). `extra_args`: more flags, `env`: more environment,
+    for every member."""
 
-    def __init__(self, run_dir: Path, size: int = 3, fast: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, run_dir: Path, size: int = 3, fast: bool = False, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         ports = [(free_port(), free_port()) for _ in range(size)]
         initial = ",".join(f"etcd-{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
         self.members = [EtcdProcess(Path(run_dir) / f"etcd-{i}", client, peer, fast=fast, name=f"etcd-{i}",
-                                    initial_cluster=initial, extra_args=extra_args) for i, (client, peer) in enumerate(ports)]
+                                    initial_cluster=initial, extra_args=extra_args, env=env) for i, (client, peer) in enumerate(ports)]
 
     @property
     def endpoints(self) -> str:
