@@ -236,7 +236,10 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
     return out
 
 
+TAG_PREFIX = "|onednn:"
+
+
 def tag(choices: dict[str, Choice]) -> str:
     """The layout fingerprint's part for these choices: empty when every op runs the C kernel."""
     other = sorted(name for name, c in choices.items() if c.kernel != C)
-    return f"|onednn:{','.join(other)}" if other else ""
+    return f"{TAG_PREFIX}{','.join(other)}" if other else ""

@@ -85,6 +85,7 @@ def _node_urls(args: argparse.Namespace) -> list[str]:
 
 
 async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
+    from engine.kernel_choice import TAG_PREFIX
     from metaserver.client import MetaClient
     from metaserver.credentials import ClientSecurity
     from metaserver.view import IndexView
@@ -137,11 +138,13 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
                 first = await first_announced(client, args.startup_timeout)
                 layouts = [await backends.layout(first.api_url.rstrip("/"), args.startup_timeout)]
             hasher = PromptHasher(args.model, served_name=layouts[0]["model"])
-            want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]))
+            want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]), layouts[0]["fingerprint"])
             for node, layout in zip([n for g in groups for n in g.nodes], layouts):
                 if layout["fingerprint"] != want:
+                    why = (" (the nodes' kernel choices differ: start them with one --kernels)"
+                           if TAG_PREFIX in layout["fingerprint"] + want else "")
                     raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
-                                      f"prompts for {want!r} (--model {args.model}): it would never predict a hit")
+                                      f"prompts for {want!r} (--model {args.model}): it would never predict a hit{why}")
                 node.node_id = layout.get("node_id", "")
             for g in groups:
                 await g.cache_sizes()

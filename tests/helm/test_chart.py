@@ -153,6 +153,7 @@ def test_model_volume_source_required() -> None:
     ("engine.kvTransferConfig.kv_connector_extra_config.debug_load_delay_s=1",
      "Additional property debug_load_delay_s is not allowed"),
     ("engine.poolSize=lots", "engine.poolSize: Does not match pattern"),
+    ("etcd.goMemLimit=80M", "etcd.goMemLimit: Does not match pattern"),
     ("engine.transferEngineEnv.MC_TRANSFER_TIMEOUT=9", "MC_TRANSFER_TIMEOUT"),
     ("metaserver.leaseTTL=5", "Additional property leaseTTL is not allowed"),
     ("security.tls.enabled=yes", "security.tls.enabled: Invalid type. Expected: boolean, given: string"),

@@ -253,6 +253,14 @@ def test_external_etcd_endpoints_are_passed_and_no_etcd_is_rendered() -> None:
     assert not [d for d in r.docs if d["metadata"]["labels"]["app.kubernetes.io/component"] == "etcd"]
 
 
+def test_etcd_gets_gomemlimit_only_when_set() -> None:
+    def env(*settings: str) -> dict[str, str]:
+        c = container(render((), settings).find("StatefulSet", name("etcd")), "etcd")
+        return {e["name"]: e.get("value") for e in c["env"]}
+    assert "GOMEMLIMIT" not in env()
+    assert env("etcd.goMemLimit=400MiB")["GOMEMLIMIT"] == "400MiB"
+
+
 def test_etcd_flags_exist_in_etcd() -> None:
     etcd = shutil.which("etcd")
     assert etcd, "etcd not on PATH (scripts/bootstrap.sh installs etcd-server)"

@@ -45,3 +45,16 @@ def test_members_form_one_cluster_and_two_down_lose_the_quorum(tmp_path: Path) -
         assert len(values) == 1 and values <= {"v2", "v3"}, values
         assert ctl(b.endpoint, "put", "k", "v4").returncode == 0  # the quorum is back
         assert {ctl(m.endpoint, "get", "k", "--print-value-only").stdout.strip() for m in (a, b, c)} == {"v4"}
+
+
+def test_every_member_gets_the_environment_and_keeps_it_on_a_restart(tmp_path: Path) -> None:
+    def environ(pid: int) -> list[bytes]:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+    with EtcdCluster(tmp_path, 3, env={"GOMEMLIMIT": "80MiB"}) as cluster:
+        assert all(b"GOMEMLIMIT=80MiB" in environ(m.proc.pid) for m in cluster.members)
+        m = cluster.members[1]
+        m.kill()
+        m.start()
+        assert b"GOMEMLIMIT=80MiB" in environ(m.proc.pid)
+        assert "PATH=" in b"\n".join(environ(m.proc.pid)).decode()  # added to, not in place of, ours

@@ -14,3 +14,22 @@ def test_the_served_alias_and_the_models_own_name_both_hash_and_other_names_do_n
               for name in ("smollm2-135m", "SmolLM2-135M-Instruct")]
     assert chains[0] is not None and chains[0] == chains[1] and len(chains[0].hashes) == 2
     assert hasher.chain(json.dumps({**body, "model": "gpt-17"}).encode(), chat=False) is None
+
+
+def test_a_kernel_tagged_layout_is_hashed_as_the_node_hashes_it() -> None:
+    from engine.block_pool import chain_seed, hash_blocks
+    from engine.kernel_choice import TAG_PREFIX
+
+    hasher = PromptHasher("smollm2-135m", served_name="smollm2-135m")
+    base = hasher.config.layout_fingerprint("float32", 16)
+    body = json.dumps({"prompt": list(range(100, 140)), "max_tokens": 1, "model": "smollm2-135m"}).encode()
+    assert hasher.expect("float32", 16) == base
+    plain = hasher.chain(body, chat=False)
+    tagged = base + TAG_PREFIX + "down,o"  # a CPU where oneDNN won two linears
+    assert hasher.expect("float32", 16, tagged) == tagged
+    chain = hasher.chain(body, chat=False)
+    assert chain is not None and plain is not None and chain != plain
+    assert list(chain.hashes) == list(hash_blocks(chain_seed(tagged, None), list(range(100, 140)), 16))
+    # Anything else after the layout is not a kernel tag: the router keeps its own layout (and refuses the node).
+    assert hasher.expect("float32", 16, base + "|bf16") == base
+    assert hasher.expect("float32", 32, tagged) == hasher.config.layout_fingerprint("float32", 32)

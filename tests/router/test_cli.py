@@ -92,6 +92,43 @@ def test_a_node_with_another_layout_is_refused(good: dict) -> None:
     assert "bs32" in err and "the router hashes prompts for" in err and "bs16" in err
 
 
+def test_nodes_of_one_kernel_tag_are_served_and_a_node_of_another_is_refused(good: dict) -> None:
+    from engine.kernel_choice import TAG_PREFIX
+
+    tagged = {**good, "fingerprint": good["fingerprint"] + TAG_PREFIX + "down"}
+    with LayoutNodes([tagged, good]) as nodes:
+        proc = run_router("--nodes", nodes.urls, "--policy", "prefix")
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()[-1]
+    assert f"node http://127.0.0.1:{nodes.ports[1]} has KV layout" in err
+    assert "the nodes' kernel choices differ: start them with one --kernels" in err
+    with LayoutNodes([tagged, tagged]) as nodes:
+        port = free_port()
+        router = subprocess.Popen([sys.executable, "-m", "kvpool_cli", "router", "--listen", f"127.0.0.1:{port}",
+                                   "--startup-timeout", "10", "--nodes", nodes.urls, "--policy", "prefix"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert serves(f"http://127.0.0.1:{port}/health", router), router.stderr and router.stderr.read()
+        finally:
+            router.terminate()
+            router.wait(30)
+
+
+def serves(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> bool:
+    """Whether `url` answers 200 before `proc` exits (or `timeout_s`: a bound, not a speed)."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
 def test_a_node_that_is_not_a_kvpool_engine_is_refused_for_prefix(good: dict) -> None:
     with LayoutNodes([good, None]) as nodes:
         proc = run_router("--nodes", nodes.urls, "--policy", "prefix")
