@@ -24,6 +24,9 @@ shapes. `choose` keeps the faster one per weight shape, under these rules:
   needed it). Delete the file to calibrate again.
 - A choice other than the C kernel is named in the KV layout fingerprint (`tag`): blocks
   computed with other kernels are another namespace, never mixed with these.
+- The C kernel's rows per micro-kernel call (`layer_ops.panel_block_rows()`: what fits the
+  CPU's vector registers) are timed too, per batch size of the mix: each gives the same bits,
+  so the fastest is taken for the batch sizes up to it (`Choice.blocks`), with no margin.
 """
 from __future__ import annotations
 
@@ -83,13 +86,25 @@ class Choice:
     onednn_s: float = 0.0
     invariant: bool | None = None  # oneDNN's rows bit-identical at every probed batch (None: not probed)
     source: str = "default"       # default | calibrated | cached | forced
+    # The C kernel's rows per micro-kernel call by batch size: (up to m rows, block rows), the
+    # bounds ascending, the last used beyond its bound too; () = the build's default.
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
         """How it was chosen, e.g. "calibrated: oneDNN / C time 1.36"."""
         if not self.c_s:
             return self.source
         note = "" if self.invariant is not False else ", oneDNN's rows depend on the batch"
-        return f"{self.source}: oneDNN / C time {self.onednn_s / self.c_s:.2f}{note}"
+        blocks = f", C rows per call {'/'.join(str(b) for _, b in self.blocks)}" if self.blocks else ""
+        return f"{self.source}: oneDNN / C time {self.onednn_s / self.c_s:.2f}{note}{blocks}"
+
+
+def block_for(blocks: tuple[tuple[int, int], ...], m: int) -> int:
+    """The block rows for a call of m rows (0: the build's default)."""
+    for bound, rows in blocks:
+        if m <= bound:
+            return rows
+    return blocks[-1][1] if blocks else 0
 
 
 def faster(c_s: float, onednn_s: float) -> bool:
@@ -108,7 +123,8 @@ def decide(c_s: float, onednn_s: float, invariant: Callable[[], bool],
 
 # ---- timing and probing the two kernels on random weights of the op's shape ------------------
 
-def _kernels(op: Op, seed: int = 0) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+def _kernels(op: Op, seed: int = 0) -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(C kernel taking (x, block_rows), oneDNN taking x) on random weights of the op's shape."""
     from engine import layer_ops
 
     g = torch.Generator().manual_seed(seed)
@@ -121,28 +137,55 @@ def _kernels(op: Op, seed: int = 0) -> tuple[Callable[[torch.Tensor], torch.Tens
 
     if op.gated:
         panels = layer_ops.pack_gated_panels(w)
-        return (lambda x: layer_ops.gated_panel_matmul(x, panels)), onednn
+        return (lambda x, rows=0: layer_ops.gated_panel_matmul(x, panels, rows)), onednn
     panels = layer_ops.pack_panels(w)
-    return (lambda x: layer_ops.panel_matmul(x, panels)), onednn
+    return (lambda x, rows=0: layer_ops.panel_matmul(x, panels, rows)), onednn
 
 
-def time_both(op: Op, batches: Iterable[int]) -> tuple[float, float]:
-    """Summed seconds of (C, oneDNN) over `batches`: each batch size's fastest of REPEATS
-    calls, the two kernels' calls interleaved (a load that comes and goes weighs on both)."""
+def _fastest_calls(fns: dict, x: torch.Tensor) -> dict:
+    """Each function's fastest of REPEATS calls on x, their calls interleaved (a load that comes
+    and goes weighs on all)."""
+    for fn in fns.values():
+        fn(x)  # warm: first-touch of buffers, oneDNN's primitive cache
+    times: dict = {k: [] for k in fns}
+    for _ in range(REPEATS):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(x)
+            times[k].append(time.perf_counter() - t0)
+    return {k: min(t) for k, t in times.items()}
+
+
+def time_blocks(op: Op, batches: Iterable[int]) -> tuple[tuple[tuple[int, int], ...], float, float]:
+    """The C kernel's fastest block rows per batch size, and the summed seconds over `batches`
+    of (the C kernel at those blocks, oneDNN)."""
+    from engine import layer_ops
+
+    c_fn, onednn_fn = _kernels(op)
+    fns: dict = {rows: (lambda x, r=rows: c_fn(x, r)) for rows in layer_ops.panel_block_rows()}
+    fns[ONEDNN] = onednn_fn
+    blocks, c_total, onednn_total = [], 0.0, 0.0
+    with torch.inference_mode():
+        for m in sorted(batches):
+            t = _fastest_calls(fns, torch.randn(m, op.in_dim))
+            rows = min((r for r in t if r != ONEDNN), key=lambda r: t[r])
+            blocks.append((m, rows))
+            c_total += t[rows]
+            onednn_total += t[ONEDNN]
+    return tuple(blocks), c_total, onednn_total
+
+
+def time_both(op: Op, batches: Iterable[int], blocks: tuple[tuple[int, int], ...] = ()) -> tuple[float, float]:
+    """Summed seconds of (C at `blocks`, oneDNN) over `batches`: each batch size's fastest of
+    REPEATS calls, the two kernels' calls interleaved."""
     c_fn, onednn_fn = _kernels(op)
     c_total = onednn_total = 0.0
     with torch.inference_mode():
         for m in batches:
-            x = torch.randn(m, op.in_dim)
-            c_fn(x), onednn_fn(x)  # warm: first-touch of buffers, oneDNN's primitive cache
-            c_t, o_t = [], []
-            for _ in range(REPEATS):
-                for fn, out in ((c_fn, c_t), (onednn_fn, o_t)):
-                    t0 = time.perf_counter()
-                    fn(x)
-                    out.append(time.perf_counter() - t0)
-            c_total += min(c_t)
-            onednn_total += min(o_t)
+            rows = block_for(blocks, m)
+            t = _fastest_calls({C: lambda x: c_fn(x, rows), ONEDNN: onednn_fn}, torch.randn(m, op.in_dim))
+            c_total += t[C]
+            onednn_total += t[ONEDNN]
     return c_total, onednn_total
 
 
@@ -161,10 +204,11 @@ def onednn_invariant(op: Op, batches: Iterable[int] = PROBE_BATCHES) -> bool:
 
 def calibrate(op: Op) -> Choice:
     batches = HEAD_BATCHES if op.head else BATCHES
-    c_s, onednn_s = time_both(op, batches)
+    blocks, c_s, onednn_s = time_blocks(op, batches)
     probe = HEAD_PROBE_BATCHES if op.head else PROBE_BATCHES
-    kernel, invariant = decide(c_s, onednn_s, lambda: onednn_invariant(op, probe), lambda: time_both(op, batches))
-    return Choice(kernel, c_s, onednn_s, invariant, "calibrated")
+    kernel, invariant = decide(c_s, onednn_s, lambda: onednn_invariant(op, probe),
+                               lambda: time_both(op, batches, blocks))
+    return Choice(kernel, c_s, onednn_s, invariant, "calibrated", blocks)
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -185,7 +229,9 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
-    return f"{model}|torch {torch.__version__}"
+    # "panels 2": the C kernel's builds since it has per-CPU block rows (an older choice timed
+    # a kernel that spilled its registers on AVX2 machines: calibrate again).
+    return f"{model}|torch {torch.__version__}|panels 2"
 
 
 def choose(ops: Iterable[Op], mode: str = "auto", path: Path | None = None,
@@ -221,12 +267,12 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
         hit = entries.get(op.key)
         if hit and hit.get("kernel") in (C, ONEDNN):
             out[op.name] = Choice(hit["kernel"], hit.get("c_s", 0.0), hit.get("onednn_s", 0.0), hit.get("invariant"),
-                                  "cached")
+                                  "cached", tuple((int(m), int(r)) for m, r in hit.get("blocks", ())))
             continue
         choice = measure(op)
         out[op.name] = choice
         entries[op.key] = {"kernel": choice.kernel, "c_s": choice.c_s, "onednn_s": choice.onednn_s,
-                           "invariant": choice.invariant}
+                           "invariant": choice.invariant, "blocks": [list(b) for b in choice.blocks]}
         changed = True
         log.info("kernel for %s (%s): %s (%s)", op.name, op.key, choice.kernel, choice.describe())
     if changed:

@@ -12,6 +12,7 @@ the torch formulas to float32 rounding (a different summation order), not to the
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -27,8 +28,9 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "rope_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
-    "gemm_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
-    "gemm_silu_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
+    "gemm_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64],
+    "gemm_silu_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64],
+    "gemm_block_rows": [_ptr, _i64],
 }
 PANEL = 32  # output rows per packed panel (the C source's PANEL)
 
@@ -37,6 +39,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
+    lib.gemm_block_rows.restype = _i64
     return lib
 
 
@@ -118,20 +121,33 @@ def gated_packable(gate_up: torch.Tensor) -> bool:
     return gate_up.dim() == 2 and gate_up.shape[0] % (2 * PANEL) == 0 and usable(gate_up)
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def panel_block_rows() -> tuple[int, ...]:
+    """The rows per micro-kernel call this CPU's build of the panel kernel takes, its default
+    first (they depend on the vector registers: the C source). Every one gives the same bits;
+    which is fastest depends on the CPU (engine/kernel_choice.py times them)."""
+    lib = library()
+    assert lib is not None
+    out = (ctypes.c_int64 * 16)()
+    return tuple(out[:lib.gemm_block_rows(out, 16)])
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
     """x: [m, in] (any m, last dim contiguous), panels: `pack_panels(weight)` -> x @ weight.T,
     a new [m, out] tensor. Each output row depends on its input row alone (the same bits whatever
-    the batch)."""
-    return _panel_call("gemm_f32", x, panels, PANEL)
+    the batch and whichever `block_rows`: one of `panel_block_rows()`, 0 for the default)."""
+    return _panel_call("gemm_f32", x, panels, PANEL, block_rows)
 
 
-def gated_panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+def gated_panel_matmul(x: torch.Tensor, panels: torch.Tensor, block_rows: int = 0) -> torch.Tensor:
     """x: [m, in], panels: `pack_gated_panels(gate_up)` -> silu(x @ gate.T) * (x @ up.T), a new
     [m, inter] tensor: the MLP's first half in one pass, never writing the [m, 2 * inter] product."""
-    return _panel_call("gemm_silu_f32", x, panels, PANEL // 2)
+    return _panel_call("gemm_silu_f32", x, panels, PANEL // 2, block_rows)
 
 
-def _panel_call(name: str, x: torch.Tensor, panels: torch.Tensor, cols_per_panel: int) -> torch.Tensor:
+def _panel_call(name: str, x: torch.Tensor, panels: torch.Tensor, cols_per_panel: int, block_rows: int) -> torch.Tensor:
+    if block_rows and block_rows not in panel_block_rows():
+        raise ValueError(f"block_rows must be one of {panel_block_rows()} (or 0), got {block_rows}")
     lib = library()
     m, k = x.shape
     assert lib is not None and x.stride(1) == 1 and panels.is_contiguous()
@@ -139,5 +155,5 @@ def _panel_call(name: str, x: torch.Tensor, panels: torch.Tensor, cols_per_panel
     out = torch.empty((m, panels.shape[0] * cols_per_panel), dtype=torch.float32)
     if m:
         getattr(lib, name)(panels.data_ptr(), panels.shape[0] * PANEL, k, x.data_ptr(), x.stride(0), m,
-                           out.data_ptr(), out.stride(0))
+                           out.data_ptr(), out.stride(0), block_rows)
     return out

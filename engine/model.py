@@ -61,9 +61,12 @@ class Linear:
     sgemm, at decode batch sizes: same file, "Engine: `kvpool bench engine`"); elsewhere, or with
     use_onednn=False, it is F.linear. One packed copy replaces the weight."""
 
-    def __init__(self, weight: torch.Tensor, use_onednn: bool = True, panels: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, use_onednn: bool = True, panels: bool = False,
+                 blocks: tuple[tuple[int, int], ...] = ()) -> None:
+        """`blocks`: the panel kernel's rows per call by batch size (`kernel_choice.Choice.blocks`)."""
         self.weight: torch.Tensor | None = weight
         self.packed: torch.Tensor | None = None
+        self.blocks = blocks
         self.panels = layer_ops.pack_panels(weight) if panels and layer_ops.panels_packable(weight) else None
         if self.panels is not None:
             self.weight = None
@@ -73,7 +76,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return layer_ops.panel_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels)
+            return layer_ops.panel_matmul(x if x.stride(-1) == 1 else x.contiguous(), self.panels,
+                                          kernel_choice.block_for(self.blocks, x.shape[0]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -81,21 +85,26 @@ class Linear:
 
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype, use_onednn: bool = True,
-                 panels: dict[str, bool] | None = None) -> None:
-        """`panels`: op name (qkv, o, gate_up, down) -> whether it runs on the C panel kernel."""
-        panels = panels or {}
+                 panels: dict[str, bool] | None = None, blocks: dict[str, tuple] | None = None) -> None:
+        """`panels`: op name (qkv, o, gate_up, down) -> whether it runs on the C panel kernel;
+        `blocks`: op name -> its rows per call there (`kernel_choice.Choice.blocks`)."""
+        panels, blocks = panels or {}, blocks or {}
         get = lambda name: w[prefix + name].to(dtype)  # noqa: E731
         self.in_norm = get("input_layernorm.weight")
         self.post_norm = get("post_attention_layernorm.weight")
         self.qkv = Linear(torch.cat([get("self_attn.q_proj.weight"), get("self_attn.k_proj.weight"),
-                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels.get("qkv", False))
-        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels.get("o", False))
+                                     get("self_attn.v_proj.weight")]).contiguous(), use_onednn, panels.get("qkv", False),
+                          blocks.get("qkv", ()))
+        self.o = Linear(get("self_attn.o_proj.weight").contiguous(), use_onednn, panels.get("o", False),
+                        blocks.get("o", ()))
         gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous()
         # Where the panels apply, silu(gate) * up comes out of the matmul itself (gated_panel_matmul).
         gated = panels.get("gate_up", False) and layer_ops.gated_packable(gate_up)
         self.gated = layer_ops.pack_gated_panels(gate_up) if gated else None
+        self.gated_blocks = blocks.get("gate_up", ())
         self.gate_up = None if self.gated is not None else Linear(gate_up, use_onednn, panels.get("gate_up", False))
-        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels.get("down", False))
+        self.down = Linear(get("mlp.down_proj.weight").contiguous(), use_onednn, panels.get("down", False),
+                           blocks.get("down", ()))
 
 
 class LlamaModel:
@@ -119,11 +128,12 @@ class LlamaModel:
         # the C kernel where it was chosen, or where there was no choice (no oneDNN here)
         chosen = {name: c.kernel for name, c in self.kernel_choices.items()}
         panels = {op.name: fused_ops and chosen.get(op.name, kernel_choice.C) == kernel_choice.C for op in ops}
+        blocks = {name: c.blocks for name, c in self.kernel_choices.items()}
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
-                              panels["lm_head"])
+                              panels["lm_head"], blocks.get("lm_head", ()))
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
-                             f"model.layers.{i}.", dtype, use_onednn, panels) for i in range(config.num_layers)]
+                             f"model.layers.{i}.", dtype, use_onednn, panels, blocks) for i in range(config.num_layers)]
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
         t = torch.arange(config.max_position, dtype=torch.float32, device=device)
@@ -274,7 +284,7 @@ class LlamaModel:
     def _swiglu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T): one C call over the gated panels where packed."""
         if layer.gated is not None:
-            return layer_ops.gated_panel_matmul(x, layer.gated)
+            return layer_ops.gated_panel_matmul(x, layer.gated, kernel_choice.block_for(layer.gated_blocks, x.shape[0]))
         return self._silu_mul(layer.gate_up(x))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """`kvpool bench kernels`: the calibration behind `--kernels auto` (engine/kernel_choice.py),
 run afresh and printed op by op: oneDNN's time over our C kernel's at the model's linear
-shapes, whether oneDNN's rows are batch-invariant, and the kernel the rule picks. With
+shapes, whether oneDNN's rows are batch-invariant, the kernel the rule picks, and the C
+kernel's rows per micro-kernel call at each batch size of the mix. With
 `--write` the result replaces this machine's cached choice (what engines will run)."""
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def main(args: argparse.Namespace) -> int:
 
     ops = kc.linear_ops(load_model(args.model).config)
     print(describe(cpu_info()) + f"; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'op':8s} {'shape':16s} {'oneDNN / C time':>16s}  {'oneDNN rows invariant':>21s}  chosen")
+    print(f"{'op':8s} {'shape':16s} {'oneDNN / C time':>16s}  {'oneDNN rows invariant':>21s}  "
+          f"{'C rows per call (batch:rows)':>28s}  chosen")
     last: dict[str, kc.Choice] = {}
     for _ in range(args.rounds):
         for op in ops:
@@ -36,7 +38,8 @@ def main(args: argparse.Namespace) -> int:
             c = kc.calibrate(op)
             probe = kc.HEAD_PROBE_BATCHES if op.head else kc.PROBE_BATCHES
             invariant = c.invariant if c.invariant is not None else kc.onednn_invariant(op, probe)
-            print(f"{op.name:8s} {op.key:16s} {c.onednn_s / c.c_s:16.2f}  {str(invariant):>21s}  "
+            blocks = " ".join(f"{m}:{r}" for m, r in c.blocks)
+            print(f"{op.name:8s} {op.key:16s} {c.onednn_s / c.c_s:16.2f}  {str(invariant):>21s}  {blocks:>28s}  "
                   f"{'C panels' if c.kernel == kc.C else 'oneDNN'}  ({time.perf_counter() - t0:.2f} s)")
             last[op.name] = c
     if args.write:

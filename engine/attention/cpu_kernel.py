@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.native.build import CSRC, LazyLibrary
+from engine.native.build import CSRC, KernelBuildError, LazyLibrary
 
 SOURCE = CSRC / "paged_decode.c"
 PREFILL_SOURCE = CSRC / "paged_prefill.c"
@@ -67,6 +67,9 @@ def paged_decode(q: torch.Tensor, blocks: torch.Tensor, layer: int, rows: torch.
 
 
 def _bind_prefill(lib: ctypes.CDLL) -> Any:
+    lib.paged_prefill_built.restype = ctypes.c_int
+    if not lib.paged_prefill_built():
+        raise KernelBuildError("this CPU has no AVX-512 (the kernel's register tiles need it)")
     f = lib.paged_prefill_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]

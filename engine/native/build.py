@@ -90,8 +90,8 @@ def build(source: Path) -> ctypes.CDLL:
 
 class LazyLibrary:
     """`source` built and loaded on the first `get()` (thread-safe), and `bind(lib)`'s result kept
-    (the configured function or library); None where the build failed, logged once as
-    `unavailable` (what runs instead)."""
+    (the configured function or library); None where the build failed or `bind` raised
+    KernelBuildError, logged once as `unavailable` (what runs instead)."""
 
     def __init__(self, source: Path, bind: Callable[[ctypes.CDLL], Any], unavailable: str) -> None:
         self.source, self.bind, self.unavailable = source, bind, unavailable
@@ -104,11 +104,10 @@ class LazyLibrary:
             return self._value
         with self._lock:
             if self._value is None and self._failed is None:
-                try:
-                    lib = build(self.source)
+                try:  # bind may refuse a build too (a kernel this CPU's build leaves out)
+                    self._value = self.bind(build(self.source))
                 except KernelBuildError as e:
                     self._failed = str(e)
                     log.warning("%s: %s", self.unavailable, e)
                     return None
-                self._value = self.bind(lib)
             return self._value

@@ -99,6 +99,28 @@ def test_panel_matmul_rows_do_not_depend_on_the_batch() -> None:
     assert torch.equal(layer_ops.panel_matmul(x[250:261], panels), whole[250:261])
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_every_block_rows_gives_the_same_bits(gated: bool) -> None:
+    """The rows per micro-kernel call (which this CPU's build offers, each with its tails) and
+    where a row falls in a batch change nothing in its output, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(2 * 192 if gated else 352, 576, generator=g) * 0.1
+    x = torch.randn(300, 576, generator=g)
+    x[:, 0] = torch.linspace(-3000, 3000, 300)   # gates past exp's range
+    f = layer_ops.gated_panel_matmul if gated else layer_ops.panel_matmul
+    panels = layer_ops.pack_gated_panels(w) if gated else layer_ops.pack_panels(w)
+    whole = f(x, panels)
+    offered = layer_ops.panel_block_rows()
+    assert len(offered) >= 2 and len(set(offered)) == len(offered)
+    for rows in offered:
+        assert torch.equal(f(x, panels, rows), whole), rows
+        for m in (1, 2, 3, 5, 6, 7, 11, 13, 64, 257):
+            assert torch.equal(f(x[:m], panels, rows), whole[:m]), (rows, m)
+        assert torch.equal(f(x[250:261], panels, rows), whole[250:261]), rows
+    with pytest.raises(ValueError, match="block_rows must be one of"):
+        f(x[:1], panels, 1000)
+
+
 def test_linear_takes_the_panels_for_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(256, 96, generator=g)
@@ -106,7 +128,8 @@ def test_linear_takes_the_panels_for_every_batch(monkeypatch: pytest.MonkeyPatch
     assert lin.panels is not None and lin.packed is None and lin.weight is None   # one packed copy
     calls: list[int] = []
     real = layer_ops.panel_matmul
-    monkeypatch.setattr(layer_ops, "panel_matmul", lambda x, weight: calls.append(x.shape[0]) or real(x, weight))
+    monkeypatch.setattr(layer_ops, "panel_matmul",
+                        lambda x, weight, rows=0: calls.append(x.shape[0]) or real(x, weight, rows))
     for n in (1, 8, 9, 64, 300):
         x = torch.randn(n, 96, generator=g)
         assert torch.allclose(lin(x), x @ w.T, rtol=1e-4, atol=1e-4)

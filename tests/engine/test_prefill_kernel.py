@@ -61,6 +61,13 @@ def test_prefills_and_chunks_match_sdpa(monkeypatch, heads: int, kv_heads: int) 
     assert calls == (taken * 2 if AVX512 else [])
 
 
+def test_the_kernel_is_offered_only_where_it_is_built() -> None:
+    """Without AVX-512 the build leaves the kernel out, and the engine says SDPA runs (the report
+    `kvpool bench engine` prints), not a kernel that would decline every call."""
+    q, cache, _ = random_pass([(9, 9)], seed=25, heads=9, kv_heads=3, head_dim=HD, layers=1)
+    assert cpu_kernel.supports_prefill(q, cache.blocks) is AVX512
+
+
 def test_a_long_prefill_matches_sdpa(monkeypatch) -> None:
     calls = counted(monkeypatch)
     q, cache, meta = random_pass([(600, 600), (300, 1000)], seed=22, heads=9, kv_heads=3, head_dim=HD, layers=1)

@@ -87,20 +87,42 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 
 /* Y = X @ W^T for the m rows of X (any m), W packed in panels of PANEL output rows:
  * Wp[p][k][j] = W[p * PANEL + j][k] (engine/layer_ops.py packs it), so each panel is one
- * contiguous stream and no horizontal sum is needed. The micro-kernel takes up to BLOCK_ROWS rows
+ * contiguous stream and no horizontal sum is needed. The micro-kernel takes up to block_rows rows
  * of X against one panel: for each k, the panel's 32 weights (two 16-float vectors) times X[r][k]
- * broadcast, into BLOCK_ROWS x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
+ * broadcast, into block_rows x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
  * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
  * Work items are (CHUNK_ROWS rows, panel) pairs, chunk-major, cut into one contiguous range per
  * OpenMP thread: a decode batch (one chunk) gives each thread whole panels, each streaming its
  * own part of Wp; a prefill pass gives each thread chunks of rows that stay in its L2 while the
  * panels stream past (a row re-read per panel from L3 otherwise: 1-3% slower at 2,048 rows).
- * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL. */
+ * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL.
+ * block_rows (one of BLOCK_ROWS; any other: the first) is how many rows a micro-kernel call
+ * takes. With AVX-512 (32 registers of 16 floats) 8 rows take 16 accumulators, as the kernel was
+ * tuned on Zen 4, and 12 read each panel from L2 a third less often; without it (AVX2: 16
+ * registers of 8 floats, a panel row is 4 of them) the block is 1-4 rows of 8-float vectors
+ * (64-byte vectors there are split by the compiler into spills: 25-30x slower), or 6 rows
+ * against half a panel (6, `half_rows`). Neither the block nor the vector width changes an
+ * output's FMA chain (k in order, one rounding each): the same sums with every block_rows and
+ * either build (engine/kernel_choice.py times the blocks per CPU). The gated kernel's SiLU is
+ * exp512 with AVX-512 and expf without: its bits differ between the two builds. */
 #define PANEL 32
-#define BLOCK_ROWS 8
+#define MAX_BLOCK_ROWS 12
 #define CHUNK_ROWS 256
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+static const int64_t BLOCK_ROWS[] = {8, 4, 12};
+#else
+static const int64_t BLOCK_ROWS[] = {2, 1, 3, 4, 6};  /* 6: half panels, below */
+#endif
+#define N_BLOCK_ROWS ((int64_t)(sizeof BLOCK_ROWS / sizeof BLOCK_ROWS[0]))
+
+/* The block_rows this build takes, the default first; returns how many (at most `cap` written). */
+int64_t gemm_block_rows(int64_t *out, int64_t cap) {
+    for (int64_t i = 0; i < N_BLOCK_ROWS && i < cap; i++) out[i] = BLOCK_ROWS[i];
+    return N_BLOCK_ROWS;
+}
 
 #ifdef __AVX512F__
 #include "simd.h"
@@ -108,23 +130,28 @@ typedef float v16 __attribute__((vector_size(64)));
 
 /* out[0..15] = silu(g) * u over 16 lanes: g / (1 + exp(-g)) * u, as silu_mul_f32 computes it.
  * (Pointers, not vector arguments: a 64-byte vector passed by value is an ABI question that gcc
- * warns about on machines without AVX-512.) */
-static inline __attribute__((always_inline)) void silu_mul16(const v16 *g, const v16 *u, float *out) {
+ * warns about on machines without AVX-512.) Without AVX-512 it is one function, not inlined:
+ * -ffast-math lets the compiler vectorize expf differently where the loop is inlined (libmvec's
+ * or the scalar one), and every caller must give the same bits. */
 #ifdef __AVX512F__
+static inline __attribute__((always_inline)) void silu_mul16(const v16 *g, const v16 *u, float *out) {
     const __m512 gv = (__m512)*g;
     const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(SILU_EXP_MAX)));
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (__m512)*u));
-#else
-    for (int j = 0; j < 16; j++) out[j] = silu((*g)[j]) * (*u)[j];
-#endif
 }
+#else
+static __attribute__((noinline)) void silu_mul16(const v16 *g, const v16 *u, float *out) {
+    for (int j = 0; j < 16; j++) out[j] = silu((*g)[j]) * (*u)[j];
+}
+#endif
 
 /* `gated` (a constant where inlined): the panel holds 16 gate rows then the same 16 up rows
  * (engine/layer_ops.py pack_gated_panels), and the block writes silu(gate) * up, 16 columns. */
+#ifdef __AVX512F__
 static inline __attribute__((always_inline)) void panel_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
         int64_t y_stride, const int gated) {
-    v16 a0[BLOCK_ROWS], a1[BLOCK_ROWS];
+    v16 a0[MAX_BLOCK_ROWS], a1[MAX_BLOCK_ROWS];
     for (int64_t r = 0; r < m; r++) a0[r] = a1[r] = (v16){0};
     for (int64_t k = 0; k < in_dim; k++) {
         v16 w0, w1;
@@ -145,32 +172,115 @@ static inline __attribute__((always_inline)) void panel_block(
         }
     }
 }
+#else
+static inline __attribute__((always_inline)) void panel_block(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
+        int64_t y_stride, const int gated) {
+    v8 a[MAX_BLOCK_ROWS][4];
+    for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = (v8){0};
+    for (int64_t k = 0; k < in_dim; k++) {
+        v8 w0, w1, w2, w3;
+        __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
+        __builtin_memcpy(&w1, w + k * PANEL + 8, sizeof w1);
+        __builtin_memcpy(&w2, w + k * PANEL + 16, sizeof w2);
+        __builtin_memcpy(&w3, w + k * PANEL + 24, sizeof w3);
+        for (int64_t r = 0; r < m; r++) {
+            const float xs = X[r * x_stride + k];
+            a[r][0] += w0 * xs;
+            a[r][1] += w1 * xs;
+            a[r][2] += w2 * xs;
+            a[r][3] += w3 * xs;
+        }
+    }
+    for (int64_t r = 0; r < m; r++) {
+        if (gated) {
+            v16 g, u;
+            __builtin_memcpy(&g, &a[r][0], sizeof g);
+            __builtin_memcpy(&u, &a[r][2], sizeof u);
+            silu_mul16(&g, &u, Y + r * y_stride);
+        } else {
+            __builtin_memcpy(Y + r * y_stride, a[r], sizeof a[r]);
+        }
+    }
+}
+#endif
 
-/* Rows r0..r1 of X against one panel, BLOCK_ROWS at a time; the tail's row count is made a
- * constant (a switch) so its accumulators stay in registers too. */
+/* Rows r0..r1 of X against one panel, `br` (a constant where inlined) at a time; the tail's
+ * row count is made a constant (a switch) so its accumulators stay in registers too. */
 static inline __attribute__((always_inline)) void panel_rows(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0, int64_t r1, float *Y,
+        int64_t y_stride, const int gated, const int br) {
+    int64_t r = r0;
+    for (; r + br <= r1; r += br)
+        panel_block(w, in_dim, X + r * x_stride, x_stride, br, Y + r * y_stride, y_stride, gated);
+    X += r * x_stride;
+    Y += r * y_stride;
+#define TAIL(n) case n: panel_block(w, in_dim, X, x_stride, n, Y, y_stride, gated); break;
+    switch (r1 - r) {
+        case 0: break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10)
+        default: panel_block(w, in_dim, X, x_stride, 11, Y, y_stride, gated); break;
+    }
+#undef TAIL
+}
+
+#ifndef __AVX512F__
+/* Without AVX-512, many rows against half a panel (16 columns: 2 registers) at a time: m x 2
+ * accumulators, m <= 6 (12 of the 16 registers, 2 for the weights, 1 for the broadcast), the
+ * Haswell-style 6x16 block. Out rows are out_stride apart; 16 raw sums each. */
+static inline __attribute__((always_inline)) void half_block(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,
+        int64_t out_stride) {
+    v8 a[6][2];
+    for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = (v8){0};
+    for (int64_t k = 0; k < in_dim; k++) {
+        v8 w0, w1;
+        __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
+        __builtin_memcpy(&w1, w + k * PANEL + 8, sizeof w1);
+        for (int64_t r = 0; r < m; r++) {
+            const float xs = X[r * x_stride + k];
+            a[r][0] += w0 * xs;
+            a[r][1] += w1 * xs;
+        }
+    }
+    for (int64_t r = 0; r < m; r++) __builtin_memcpy(out + r * out_stride, a[r], sizeof a[r]);
+}
+
+/* m (a constant where inlined) rows against both halves of one panel; gated: silu(gate) * up. */
+static inline __attribute__((always_inline)) void halves(
+        const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
+        int64_t y_stride, const int gated) {
+    if (!gated) {
+        half_block(w, in_dim, X, x_stride, m, Y, y_stride);
+        half_block(w + 16, in_dim, X, x_stride, m, Y + 16, y_stride);
+        return;
+    }
+    v16 g[6], u[6];
+    half_block(w, in_dim, X, x_stride, m, (float *)g, 16);
+    half_block(w + 16, in_dim, X, x_stride, m, (float *)u, 16);
+    for (int64_t r = 0; r < m; r++) silu_mul16(&g[r], &u[r], Y + r * y_stride);
+}
+
+static inline __attribute__((always_inline)) void half_rows(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0, int64_t r1, float *Y,
         int64_t y_stride, const int gated) {
     int64_t r = r0;
-    for (; r + BLOCK_ROWS <= r1; r += BLOCK_ROWS)
-        panel_block(w, in_dim, X + r * x_stride, x_stride, BLOCK_ROWS, Y + r * y_stride, y_stride, gated);
+    for (; r + 6 <= r1; r += 6) halves(w, in_dim, X + r * x_stride, x_stride, 6, Y + r * y_stride, y_stride, gated);
     X += r * x_stride;
     Y += r * y_stride;
+#define TAIL(n) case n: halves(w, in_dim, X, x_stride, n, Y, y_stride, gated); break;
     switch (r1 - r) {
         case 0: break;
-        case 1: panel_block(w, in_dim, X, x_stride, 1, Y, y_stride, gated); break;
-        case 2: panel_block(w, in_dim, X, x_stride, 2, Y, y_stride, gated); break;
-        case 3: panel_block(w, in_dim, X, x_stride, 3, Y, y_stride, gated); break;
-        case 4: panel_block(w, in_dim, X, x_stride, 4, Y, y_stride, gated); break;
-        case 5: panel_block(w, in_dim, X, x_stride, 5, Y, y_stride, gated); break;
-        case 6: panel_block(w, in_dim, X, x_stride, 6, Y, y_stride, gated); break;
-        default: panel_block(w, in_dim, X, x_stride, 7, Y, y_stride, gated); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4)
+        default: halves(w, in_dim, X, x_stride, 5, Y, y_stride, gated); break;
     }
+#undef TAIL
 }
+#endif
 
 static inline __attribute__((always_inline)) void gemm(
         const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m, float *Y,
-        int64_t y_stride, const int gated) {
+        int64_t y_stride, const int gated, const int br) {
     const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t items = panels * chunks, y_cols = gated ? PANEL / 2 : PANEL;
     #pragma omp parallel
@@ -179,18 +289,47 @@ static inline __attribute__((always_inline)) void gemm(
         for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) {
             const int64_t p = i % panels, r0 = i / panels * CHUNK_ROWS;
             const int64_t r1 = r0 + CHUNK_ROWS < m ? r0 + CHUNK_ROWS : m;
-            panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * y_cols, y_stride, gated);
+#ifndef __AVX512F__
+            if (br == 6) {
+                half_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * y_cols, y_stride, gated);
+                continue;
+            }
+#endif
+            panel_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * y_cols, y_stride, gated, br);
         }
     }
 }
 
+/* One compiled gemm per block_rows (the micro-kernel's register use is fixed at compile time). */
+static void gemm_blocked(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride,
+                         int64_t m, float *Y, int64_t y_stride, const int gated, int64_t block_rows) {
+#define GEMM(br) gated ? gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1, br) \
+                       : gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0, br)
+#ifdef __AVX512F__
+    switch (block_rows) {
+        case 4: GEMM(4); break;
+        case 12: GEMM(12); break;
+        default: GEMM(8); break;
+    }
+#else
+    switch (block_rows) {
+        case 1: GEMM(1); break;
+        case 3: GEMM(3); break;
+        case 4: GEMM(4); break;
+        case 6: GEMM(6); break;
+        default: GEMM(2); break;
+    }
+#endif
+#undef GEMM
+}
+
 void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
-              float *Y, int64_t y_stride) {
-    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0);
+              float *Y, int64_t y_stride, int64_t block_rows) {
+    gemm_blocked(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0, block_rows);
 }
 
 /* The MLP's input half fused: Y [m, out_dim / 2] = silu(X @ gate^T) * (X @ up^T), from gated panels. */
 void gemm_silu_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
-                   float *Y, int64_t y_stride) {
-    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1);
+                   float *Y, int64_t y_stride, int64_t block_rows) {
+    gemm_blocked(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1, block_rows);
 }

@@ -189,7 +189,11 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
     return 1;
 }
 
+int paged_prefill_built(void) { return 1; }
+
 #else  /* no AVX-512: the caller falls back to SDPA */
+
+int paged_prefill_built(void) { return 0; }
 
 int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_offset, int64_t v_offset,
                       int64_t token_stride, const float *q, int64_t q_stride, float *out, int64_t out_stride,
