@@ -34,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 from engine.model_config import ModelConfig
+from engine.native import build
 
 log = logging.getLogger(__name__)
 
@@ -283,9 +285,28 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
 
 
 TAG_PREFIX = "|onednn:"
+# What may follow a model's layout in a CPU engine's fingerprint: the CPU's vector ISA where it
+# is not AVX-512 (`isa_tag`), then the linears that run on oneDNN (`tag`).
+KERNEL_TAG = re.compile(r"(\|isa:[a-z0-9_]+)?(\|onednn:[a-z_]+(,[a-z_]+)*)?")
 
 
 def tag(choices: dict[str, Choice]) -> str:
     """The layout fingerprint's part for these choices: empty when every op runs the C kernel."""
     other = sorted(name for name, c in choices.items() if c.kernel != C)
     return f"{TAG_PREFIX}{','.join(other)}" if other else ""
+
+
+def isa_tag(flags: str | None = None) -> str:
+    """The layout fingerprint's part for the CPU's vector ISA: empty with AVX-512 (the kernels'
+    first target), else "|isa:avx2" or "|isa:base". The C kernels' builds differ by ISA (the
+    SiLU's exp, the attention kernels: engine/native/csrc), and so do oneDNN's and torch's, so
+    KV computed on a CPU of one class is not bit-identical to another's: nodes of different
+    classes keep their blocks apart, as nodes of different kernel choices do."""
+    words = set((flags if flags is not None else build.cpu_flags()).split())
+    return "" if "avx512f" in words else "|isa:avx2" if {"avx2", "fma"} <= words else "|isa:base"
+
+
+def is_kernel_tag(suffix: str) -> bool:
+    """Whether `suffix` (what follows a model's layout in a fingerprint) is a CPU engine's
+    kernel tags (`isa_tag`, then `tag`), and nothing else."""
+    return KERNEL_TAG.fullmatch(suffix) is not None

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from engine.block_pool import chain_seed, hash_blocks
-from engine.kernel_choice import TAG_PREFIX
+from engine.kernel_choice import is_kernel_tag
 from engine.loader import load_model
 from engine.server.protocol import BadRequest, parse
 
@@ -40,12 +40,13 @@ class PromptHasher:
 
     def expect(self, dtype: str, block_size: int, reported: str = "") -> str:
         """Hash for nodes with this dtype and block size; returns the fingerprint they must report.
-        `reported`: a node's own fingerprint. Where it is this layout's with a kernel tag (the
-        node's CPU runs some linears on oneDNN: engine/kernel_choice.py, another namespace of
-        blocks), the hasher takes it, so that its chains are that node's."""
+        `reported`: a node's own fingerprint. Where it is this layout's with kernel tags (the
+        node's CPU class, the linears it runs on oneDNN: engine/kernel_choice.py, each another
+        namespace of blocks), the hasher takes it, so that its chains are that node's."""
         self.block_size = block_size
         base = self.config.layout_fingerprint(dtype, block_size)
-        self.fingerprint = reported if reported.startswith(base + TAG_PREFIX) else base
+        tagged = reported.startswith(base) and is_kernel_tag(reported[len(base):])
+        self.fingerprint = reported if tagged else base
         return self.fingerprint
 
     def prompt_ids(self, body: bytes, chat: bool) -> tuple[list[int], str | None] | None:

@@ -141,8 +141,10 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
             want = hasher.expect(layouts[0]["dtype"], int(layouts[0]["block_size"]), layouts[0]["fingerprint"])
             for node, layout in zip([n for g in groups for n in g.nodes], layouts):
                 if layout["fingerprint"] != want:
-                    why = (" (the nodes' kernel choices differ: start them with one --kernels)"
-                           if TAG_PREFIX in layout["fingerprint"] + want else "")
+                    why = (" (the nodes' CPU classes or kernel choices differ, so their KV is not bit-identical:"
+                           " route each class apart, or start them with one --kernels)"
+                           if "|isa:" in layout["fingerprint"] + want or TAG_PREFIX in layout["fingerprint"] + want
+                           else "")
                     raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
                                       f"prompts for {want!r} (--model {args.model}): it would never predict a hit{why}")
                 node.node_id = layout.get("node_id", "")

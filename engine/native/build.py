@@ -41,6 +41,11 @@ class KernelBuildError(RuntimeError):
     """The C kernel could not be compiled or loaded (the message says why)."""
 
 
+def cpu_flags() -> str:
+    """/proc/cpuinfo's first "flags" line ("" where there is none)."""
+    return _cpu_flags()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -57,6 +57,16 @@ def test_the_choice_is_measured_once_per_machine_and_shape_then_read(tmp_path: P
     assert measured[-1] == "down" and len(json.loads(path.read_text())[kc.machine_key()]) == 4
 
 
+def test_the_cpu_class_tag_names_cpus_without_avx512() -> None:
+    assert kc.isa_tag("fpu sse2 avx2 fma avx512f avx512bw") == ""
+    assert kc.isa_tag("fpu sse2 avx avx2 fma bmi2") == "|isa:avx2"
+    assert kc.isa_tag("fpu sse2 avx") == "|isa:base"
+    for good in ("", "|isa:avx2", "|onednn:down", "|isa:avx2|onednn:down,gate_up,lm_head"):
+        assert kc.is_kernel_tag(good), good
+    for bad in ("|onednn:", "|onednn:down|isa:avx2", "|isa:avx2 ", "|bf16", "|onednn:Down"):
+        assert not kc.is_kernel_tag(bad), bad
+
+
 def test_block_rows_follow_the_batch_size() -> None:
     blocks = ((1, 2), (8, 3), (64, 6))
     assert [kc.block_for(blocks, m) for m in (1, 2, 8, 9, 64, 65, 5000)] == [2, 3, 3, 6, 6, 6, 6]
@@ -135,6 +145,7 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
     auto = make_engine(loaded, kv_cache_bytes=16 << 20)
     try:
         assert c.fingerprint + "|onednn:down,gate_up,lm_head,o,qkv" == o.fingerprint
+        assert c.fingerprint.endswith(kc.isa_tag()) and kc.is_kernel_tag(o.fingerprint.split("|hd64", 1)[1])
         assert "C gated panels" in c.model.kernels()["gate+up projection and SiLU"]
         assert o.model.kernels()["qkv projection"].startswith("oneDNN packed")
         chosen = {n: ch.kernel for n, ch in auto.model.kernel_choices.items()}

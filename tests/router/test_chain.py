@@ -30,6 +30,10 @@ def test_a_kernel_tagged_layout_is_hashed_as_the_node_hashes_it() -> None:
     chain = hasher.chain(body, chat=False)
     assert chain is not None and plain is not None and chain != plain
     assert list(chain.hashes) == list(hash_blocks(chain_seed(tagged, None), list(range(100, 140)), 16))
+    both = base + "|isa:avx2" + TAG_PREFIX + "down,gate_up"  # an AVX2 CPU's class, then its oneDNN linears
+    assert hasher.expect("float32", 16, both) == both
+    assert hasher.expect("float32", 16, base + "|isa:avx2") == base + "|isa:avx2"
     # Anything else after the layout is not a kernel tag: the router keeps its own layout (and refuses the node).
-    assert hasher.expect("float32", 16, base + "|bf16") == base
+    for odd in ("|bf16", TAG_PREFIX + "down|isa:avx2", "|isa:avx2|x", TAG_PREFIX, "x"):
+        assert hasher.expect("float32", 16, base + odd) == base, odd
     assert hasher.expect("float32", 32, tagged) == hasher.config.layout_fingerprint("float32", 32)
