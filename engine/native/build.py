@@ -43,10 +43,6 @@ class KernelBuildError(RuntimeError):
 
 def cpu_flags() -> str:
     """/proc/cpuinfo's first "flags" line ("" where there is none)."""
-    return _cpu_flags()
-
-
-def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -65,7 +61,7 @@ def _library_path(compiler: str, source: Path) -> Path:
     text = source.read_bytes()
     headers = b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
     key = hashlib.sha256(text + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
-                         + _cpu_flags().encode())
+                         + cpu_flags().encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
     return root / key.hexdigest()[:16] / f"{source.stem}.so"
 
