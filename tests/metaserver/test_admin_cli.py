@@ -14,14 +14,20 @@ NS = "ns-admin"
 H = [f"{i:064x}" for i in range(4)]
 
 
+# Each call's deadline: generous, because a loaded CI machine's etcd can stall a write for
+# seconds; what these tests check is the CLI's output, not its speed. A test that wants the
+# deadline to pass gives its own `--timeout` (argparse keeps the last one given).
+DEADLINE = ("--timeout", "60")
+
+
 def admin(address: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "admin", "--metaserver",
-                           address, *args], capture_output=True, text=True, timeout=60, input=stdin)
+                           address, *DEADLINE, *args], capture_output=True, text=True, timeout=180, input=stdin)
 
 
 @pytest.fixture
 def address(metaserver: MetaserverProcess) -> str:
-    with MetaClient(metaserver.address) as c:
+    with MetaClient(metaserver.address, timeout_s=60) as c:
         # Nothing keeps this lease alive: the longest the server grants, so that no slow machine
         # outlives it across a test's ~3 s CLI starts.
         c.register_node("node-a", "127.0.0.1:7001", 0, 1 << 20, NS, 3600)
@@ -124,7 +130,7 @@ def test_unreachable_metaserver() -> None:
 
 
 def kvpool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpool_cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "kvpool_cli", *args], capture_output=True, text=True, timeout=180)
 
 
 def test_options_go_before_or_after_the_command(address: str) -> None:
@@ -136,13 +142,13 @@ def test_options_go_before_or_after_the_command(address: str) -> None:
     assert json.loads(before.stdout)["index"] == json.loads(after.stdout)["index"]
     assert json.loads(after.stdout)["index"]["num_nodes"] == 1
 
-    r = kvpool("admin", "nodes", "--metaserver", address, "--timeout", "5", "--json", "--log-level", "WARNING")
+    r = kvpool("admin", "nodes", "--metaserver", address, *DEADLINE, "--json", "--log-level", "WARNING")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["node_id"] == "node-a"
-    r = kvpool("--log-level", "WARNING", "admin", "--metaserver", address, "nodes")
+    r = kvpool("--log-level", "WARNING", "admin", "--metaserver", address, "nodes", *DEADLINE)
     assert r.returncode == 0 and "node-a" in r.stdout, r.stderr
     r = subprocess.run([sys.executable, "-m", "metaserver", "admin", "stats", "--metaserver", address, "--json",
-                        "--log-level", "WARNING"], capture_output=True, text=True, timeout=60)
+                        "--log-level", "WARNING", *DEADLINE], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and json.loads(r.stdout)["etcd_healthy"] is True, r.stderr
 
     r = kvpool("admin", "stats", "--json")
