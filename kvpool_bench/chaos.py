@@ -48,9 +48,14 @@ The checker's rules (any one broken: verdict FAIL, exit code 1):
      (its first third is left out: a cold start);
   5. every process runs at the end, and no process's RSS (sampled every `--sample-s` s)
      is above `--rss-limit-mib`;
-  6. in a run of at least twice `--rss-baseline` seconds, each process's RSS at the end is
-     within `--rss-growth` of its RSS at the baseline (a leak shows as growth; a process
-     started again since is counted too, and the report says how often it was).
+  6. in a run of at least twice `--rss-baseline` seconds, no process leaks (`rss_by_age`):
+     each process (one PID) that ran twice `--rss-baseline` ends within `--rss-growth` of
+     its RSS at that age, and where a name's processes (the nemesis starts them again)
+     reached that age, its last one's RSS then is within `--rss-growth` of its first one's.
+     A process is compared with itself, or its successor, at the same age: RSS climbs with
+     age (caches, Go's heap target, mapped database pages), so a young process at the end
+     against an old one at the baseline says nothing of a leak. The by-name ratio, end over
+     baseline, is still printed.
 
 The etcd members compact their history periodically (`--etcd-compaction`) and snapshot
 every `--etcd-snapshot-count` raft entries, with Go's memory limit `--etcd-gomemlimit`, as
@@ -511,6 +516,55 @@ def rss_growth(samples: list[dict], baseline_s: float) -> dict[str, dict]:
     return out
 
 
+def instances(samples: list[dict], name: str) -> list[list[tuple[float, int]]]:
+    """The processes that ran under `name`, in start order, each as its (time, RSS) samples.
+    A process is one PID; its age at a sample is that sample's time less its first's."""
+    out: list[list[tuple[float, int]]] = []
+    last_pid = None
+    for x in samples:
+        pid = x["pids"].get(name)
+        if pid is None or not x[name]:
+            continue
+        if pid != last_pid:
+            out.append([])
+            last_pid = pid
+        out[-1].append((x["t_s"], x[name]))
+    return out
+
+
+def _at_age(life: list[tuple[float, int]], age_s: float) -> tuple[float, int] | None:
+    """The first sample of a process at or past `age_s` seconds of its life."""
+    return next(((t, r) for t, r in life if t - life[0][0] >= age_s), None)
+
+
+def rss_by_age(samples: list[dict], age_s: float) -> dict[str, dict]:
+    """The leak rule, per process rather than per name (the nemesis starts processes again, and
+    a process's RSS climbs with its age: caches, Go's heap target, a database's mapped pages):
+    - `lived`: each process that ran at least twice `age_s`: its RSS at its last sample over
+      its RSS at the age of `age_s` (what "within 10% of its value after the first 10
+      minutes" means for a process that was not started with the run);
+    - `restarted`: per name with at least two processes that reached the age of `age_s`: the
+      last one's RSS at that age over the first one's, so that state which grows from one
+      process to the next (a leak that a restart does not clear) shows too.
+    Ratios are rounded to 3 places."""
+    lived, restarted = [], {}
+    for n in process_names(samples[-1]) if samples else []:
+        lives = instances(samples, n)
+        for life in lives:
+            base = _at_age(life, age_s)
+            if base is None or life[-1][0] - life[0][0] < 2 * age_s:
+                continue
+            lived.append({"name": n, "from_s": life[0][0], "base_t_s": base[0], "base": base[1],
+                          "end_t_s": life[-1][0], "end": life[-1][1], "ratio": round(life[-1][1] / base[1], 3)})
+        aged = [(life[0][0], _at_age(life, age_s)) for life in lives if _at_age(life, age_s) is not None]
+        if len(aged) >= 2:
+            (first_from, first), (last_from, last) = aged[0], aged[-1]
+            restarted[n] = {"processes": len(lives), "compared": len(aged), "first_from_s": first_from,
+                            "first": first[1], "last_from_s": last_from, "last": last[1],
+                            "ratio": round(last[1] / first[1], 3)}
+    return {"lived": lived, "restarted": restarted}
+
+
 def hit_rate(outs: list[Outcome]) -> float:
     prompt = sum(o.prompt_tokens for o in outs if o.answered)
     return sum(o.hit_tokens for o in outs if o.answered) / prompt if prompt else 0.0
@@ -535,6 +589,7 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
     # The leak rule needs a run that outlives its baseline by as long again.
     end_t = rss[-1]["t_s"] if rss else 0.0
     growth = rss_growth(rss, args.rss_baseline) if end_t >= 2 * args.rss_baseline else {}
+    by_age = rss_by_age(rss, args.rss_baseline) if growth else {"lived": [], "restarted": {}}
     index_ok = all(all(c["pool_blocks"] == c["index_blocks"] for c in checks) and checks for checks in index.values())
     checks = {
         "no wrong answers": all(o.correct is not False for o in answered) and all(o.correct is not None for o in answered),
@@ -544,9 +599,9 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
         "every process runs, RSS under the limit": all(alive.values()) and all(r["peak"] <= limit for r in rss_table.values()),
         "faults applied": bool(faults) or args.duration < args.interval_min + args.heal_max,
     }
-    if growth:
-        checks["RSS at the end within --rss-growth of the baseline's"] = all(
-            g["ratio"] <= 1 + args.rss_growth for g in growth.values())
+    if by_age["lived"] or by_age["restarted"]:
+        checks["RSS of each process within --rss-growth of its own at the baseline's age"] = all(
+            g["ratio"] <= 1 + args.rss_growth for g in [*by_age["lived"], *by_age["restarted"].values()])
     ttft = [o.ttft_s for o in answered]
     at_base = next((x for x in rss if x["t_s"] >= args.rss_baseline), None)
     etcd = {n: {"baseline": at_base.get("etcd", {}).get(n, {}), "end": rss[-1].get("etcd", {}).get(n, {})}
@@ -562,7 +617,7 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "ttft_by_phase": {k: {"p50": pct([o.ttft_s for o in w if o.answered], 50),
                               "p99": pct([o.ttft_s for o in w if o.answered], 99)} for k, w in windows.items()},
-        "faults": faults, "rss": rss_table, "rss_growth": growth, "etcd_gauges": etcd, "alive": alive, "index_check": index,
+        "faults": faults, "rss": rss_table, "rss_growth": growth, "rss_by_age": by_age, "etcd_gauges": etcd, "alive": alive, "index_check": index,
     }
 
 
@@ -583,10 +638,27 @@ def print_summary(s: dict) -> None:
     for n, r in s["rss"].items():
         print(f"  {n:<8} {r['start'] / mib:6.0f} / {r['end'] / mib:6.0f} / {r['peak'] / mib:6.0f}")
     if s["rss_growth"]:
-        print("RSS end / baseline (MiB; baseline: first sample from --rss-baseline on):")
+        print("RSS end / baseline by name (MiB; baseline: first sample from --rss-baseline on; not judged: "
+              "a name's process at the end may be younger than its process at the baseline):")
         for n, g in s["rss_growth"].items():
             print(f"  {n:<8} {g['end'] / mib:6.0f} / {g['base'] / mib:6.0f} at {g['base_t_s']:.0f} s = {g['ratio']:.3f}"
                   f" (started again {g['restarts']} times since)")
+    by_age = s.get("rss_by_age", {"lived": [], "restarted": {}})
+    if by_age["lived"]:
+        print("RSS at the end of each process that ran twice --rss-baseline / at that age (MiB):")
+        for g in by_age["lived"]:
+            print(f"  {g['name']:<8} from {g['from_s']:6.0f} s: {g['end'] / mib:6.0f} at {g['end_t_s']:.0f} s / "
+                  f"{g['base'] / mib:6.0f} at {g['base_t_s']:.0f} s = {g['ratio']:.3f}")
+    if by_age["restarted"]:
+        print("RSS at the age of --rss-baseline, the name's last process / its first (MiB):")
+        for n, g in by_age["restarted"].items():
+            print(f"  {n:<8} {g['last'] / mib:6.0f} (started {g['last_from_s']:.0f} s) / {g['first'] / mib:6.0f} "
+                  f"(started {g['first_from_s']:.0f} s) = {g['ratio']:.3f}; {g['compared']} of its "
+                  f"{g['processes']} processes reached that age")
+    judged = {g["name"] for g in by_age["lived"]} | set(by_age["restarted"])
+    if s["rss_growth"] and set(s["rss_growth"]) - judged:
+        print("  not judged (no process of it ran twice --rss-baseline, nor two to its age): "
+              + ", ".join(sorted(set(s["rss_growth"]) - judged)))
     if any(g["baseline"] and g["end"] for g in s.get("etcd_gauges", {}).values()):
         print("etcd's own gauges, baseline -> end (MiB; keys):")
         for n, g in s["etcd_gauges"].items():

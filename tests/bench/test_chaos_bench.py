@@ -8,11 +8,12 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvpool_bench.chaos import ETCD, Fault, conversations, etcd_gauges, rss_growth, schedule
+from kvpool_bench.chaos import ETCD, Fault, conversations, etcd_gauges, instances, rss_by_age, rss_growth, schedule
 from kvpool_bench.chaos_plot import windows
 
 SHORT = {"duration_s": 60, "interval": (4.0, 8.0), "heal": (2.0, 5.0)}
@@ -94,6 +95,51 @@ def test_rss_growth_compares_the_end_with_the_first_sample_from_the_baseline() -
     assert g["a"] == {"base_t_s": 10.0, "base": 100 * mib, "end": 115 * mib, "ratio": 1.15, "restarts": 1}
     assert g["b"]["base_t_s"] == 12.0 and g["b"]["ratio"] == 1.1 and g["b"]["restarts"] == 0
     assert rss_growth(samples, 30.0) == {}
+
+
+def lives(*spans: tuple[float, float, Callable[[float], float]], end_s: float = 3600.0, every_s: float = 10.0
+          ) -> list[dict]:
+    """Samples of one name, "p", run by one process per span (start, stop, RSS in MiB at an age),
+    down between spans: what the nemesis makes of a process."""
+    out = []
+    for i in range(int(end_s / every_s) + 1):
+        t = i * every_s
+        live = [(k, lo, rss) for k, (lo, hi, rss) in enumerate(spans) if lo <= t < hi]
+        k, lo, rss = live[0] if live else (None, 0.0, None)
+        out.append({"t_s": t, "p": int(rss(t - lo) * 2 ** 20) if rss else 0, "pids": {"p": None if k is None else 100 + k}})
+    return out
+
+
+def test_a_process_is_judged_against_itself_at_the_same_age() -> None:
+    """A process's RSS climbs with its age and then levels off; the nemesis restarts it. By
+    name, the end (an older process) over the baseline (a young one) reads as growth; per
+    process at the same age nothing grows, and the rule passes where the by-name one fails."""
+    def warm(age: float) -> float:
+        return 60 + 30 * min(age, 500) / 500  # 60 MiB at the start, 90 from its 500th second on
+    samples = lives((0, 400, warm), (410, 1700, warm), (1710, 3000, warm), (3010, 3800, warm), end_s=3700)
+    assert [len(life) for life in instances(samples, "p")] == [40, 129, 129, 70]
+    assert rss_growth(samples, 600)["p"]["ratio"] > 1.2  # by name: 690 s old at the end, 190 s at 600 s
+    g = rss_by_age(samples, 600)
+    assert [(x["from_s"], x["ratio"]) for x in g["lived"]] == [(410.0, 1.0), (1710.0, 1.0)]
+    assert g["lived"][0]["base"] == g["lived"][0]["end"] == 90 * 2 ** 20
+    assert g["restarted"]["p"]["compared"] == 3 and g["restarted"]["p"]["ratio"] == 1.0
+
+
+def test_a_leak_within_a_process_or_across_restarts_fails_the_rule() -> None:
+    def leak(age: float) -> float:
+        return 100 + age / 60  # 1 MiB a minute
+    g = rss_by_age(lives((0, 3700, leak)), 600)
+    assert g["lived"][0]["ratio"] == round((100 + 3600 / 60) / 110, 3) > 1.1 and not g["restarted"]
+
+    def grows(k: int) -> Callable[[float], float]:
+        return lambda age: 100 + 6 * k  # flat in each process, 6% more in each next one
+    spans = [(k * 700, k * 700 + 690, grows(k)) for k in range(6)]
+    g = rss_by_age(lives(*spans, end_s=4200), 600)
+    assert not g["lived"]  # no process runs twice 600 s: the within-process rule has nothing
+    assert g["restarted"]["p"]["ratio"] == round(130 / 100, 3) > 1.1  # the last at 600 s over the first
+
+    # Too few processes reach the age: not judged rather than judged on young ones.
+    assert rss_by_age(lives((0, 500, grows(0)), (510, 3700, grows(3))), 600)["restarted"] == {}
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd not installed")
