@@ -71,7 +71,7 @@ def test_puts_and_every_read_path_go_through_the_callers_memory(pools, metaserve
         mem_a.real[i * BB:(i + 1) * BB] = block_content(h, BB)
         assert a.put(h, mem_a.addr(i), BB)
     assert mem_a.calls["read"] == N
-    assert a.flush_publishes()
+    assert a.flush_publishes(timeout_s=60)
     with MetaClient(metaserver.address) as client:
         r = client.query_prefix(NS, hashes, "B")
         assert r.num_matched == N

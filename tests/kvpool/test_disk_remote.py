@@ -48,7 +48,7 @@ def fill_a(a: NodePool, client: MetaClient, n: int) -> list[bytes]:
     hashes = [block_hash("chain", i) for i in range(n)]
     for h in hashes:
         assert put_bytes(a, h, block_content(h, BB))
-    assert a.disk is not None and a.disk.flush() and a.flush_publishes()
+    assert a.disk is not None and a.disk.flush() and a.flush_publishes(timeout_s=60)
     # (a publish that missed its deadline on a loaded host is made good by the node's resync)
     wait_for(lambda: client.query_prefix(NS, hashes, "A", sparse=True).num_held == n, timeout_s=30)
     return hashes
@@ -71,7 +71,7 @@ def test_a_disk_block_of_another_node_is_staged_and_read(pools) -> None:
     for i, h in enumerate(on_disk):
         assert np.array_equal(dest[i * BB:(i + 1) * BB], block_content(h, BB))
     assert a.stats.disk_staged == 4 and b.stats.remote_hits == 4
-    assert a.flush_publishes()
+    assert a.flush_publishes(timeout_s=60)
     def promoted() -> bool:  # DRAM copies now
         q = client.query_prefix(NS, on_disk, "B")
         return q.num_matched == 4 and all(loc.medium == Medium.DRAM for loc in q.locations)

@@ -120,7 +120,7 @@ def test_kill_9_while_writing_then_warm_restart(metaserver: MetaserverProcess, t
         # The failed blocks left the index; the read ones are DRAM copies now (promoted) or on disk.
         good = [h for h in chain if h not in bad]
         wait_for(lambda: all(client.query_prefix(NS, [h], "D").num_matched == 0 for h in bad))
-        assert pool.flush_publishes()
+        assert pool.flush_publishes(timeout_s=60)
         wait_for(lambda: all_held(client, good), timeout_s=30)
         assert all(client.query_prefix(NS, [h], "D").num_matched == 0 for h in bad)
     finally:

@@ -48,9 +48,10 @@ def fill(pool: NodePool, n: int, seed: str = "chain") -> list[bytes]:
     hashes = [block_hash(seed, i) for i in range(n)]
     for h in hashes:
         assert put_bytes(pool, h, block_content(h, BB))
-    assert pool.flush_publishes()
-    # A publish that failed (a loaded machine can stall a call past its deadline) is sent
-    # again by the node's session after its next keepalive: wait for the index, not the call.
+    # A publish that failed (a loaded machine can stall a call past its 5 s deadline, and the
+    # failure's handling takes as long again) is sent again by the node's session after its
+    # next keepalive: wait for the publisher and then for the index, not for the call.
+    assert pool.flush_publishes(timeout_s=60)
     with MetaClient(pool.config.metaserver) as c:
         wait_for(lambda: c.query_prefix(NS, hashes).num_matched == n, timeout_s=60)
     return hashes
@@ -424,7 +425,7 @@ def test_segmented_payloads_read_and_save_per_layer_slices(two_pools, metaserver
     hashes = [block_hash("layered", i) for i in range(3)]
     for i, h in enumerate(hashes):                             # A saves blocks 0..2 of its layers
         assert a.put(h, tuple(s.ctypes.data + i * seg for s in src), BB)
-    assert a.flush_publishes()
+    assert a.flush_publishes(timeout_s=60)
     overwrite(a, hashes[2], bytes(BB))                         # the index still promises generation 1
 
     def dests(block: int) -> tuple[int, ...]:

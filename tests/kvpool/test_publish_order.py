@@ -77,7 +77,7 @@ def test_an_eviction_does_not_unpublish_ahead_of_the_blocks_publish() -> None:
         wait_for(lambda: index.unpublished.is_set() or pool.stats.unpublish_waits > 0)
         index.release.set()
         t.join()
-        assert pool.flush_publishes()
+        assert pool.flush_publishes(timeout_s=60)
         with pool._lock:
             pooled = set(pool._lru)
         assert first not in pooled
