@@ -550,17 +550,15 @@ def rss_by_age(samples: list[dict], age_s: float) -> dict[str, dict]:
     lived, restarted = [], {}
     for n in process_names(samples[-1]) if samples else []:
         lives = instances(samples, n)
-        for life in lives:
-            base = _at_age(life, age_s)
-            if base is None or life[-1][0] - life[0][0] < 2 * age_s:
-                continue
-            lived.append({"name": n, "from_s": life[0][0], "base_t_s": base[0], "base": base[1],
-                          "end_t_s": life[-1][0], "end": life[-1][1], "ratio": round(life[-1][1] / base[1], 3)})
-        aged = [(life[0][0], _at_age(life, age_s)) for life in lives if _at_age(life, age_s) is not None]
+        aged = [(life, base) for life in lives if (base := _at_age(life, age_s)) is not None]
+        for life, base in aged:
+            if life[-1][0] - life[0][0] >= 2 * age_s:
+                lived.append({"name": n, "from_s": life[0][0], "base_t_s": base[0], "base": base[1], "end_t_s": life[-1][0],
+                              "end": life[-1][1], "ratio": round(life[-1][1] / base[1], 3)})
         if len(aged) >= 2:
-            (first_from, first), (last_from, last) = aged[0], aged[-1]
-            restarted[n] = {"processes": len(lives), "compared": len(aged), "first_from_s": first_from,
-                            "first": first[1], "last_from_s": last_from, "last": last[1],
+            (first_life, first), (last_life, last) = aged[0], aged[-1]
+            restarted[n] = {"processes": len(lives), "compared": len(aged), "first_from_s": first_life[0][0],
+                            "first": first[1], "last_from_s": last_life[0][0], "last": last[1],
                             "ratio": round(last[1] / first[1], 3)}
     return {"lived": lived, "restarted": restarted}
 
