@@ -45,7 +45,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # R gives up on a read after the transfer engine's bound (5 s is the binding's least) but keeps
 # the connection for a minute, so a read to a frozen source is still queued when it resumes.
-TIMEOUTS = {"transfer_timeout_s": 5, "progress_timeout_s": 120, "read_timeout_s": 30}
+# R looks up by RPC, waiting for the answer: a round sends R its prompt once the metaserver
+# holds the prompt's blocks, which a node-local view (fed by a stream) may not have yet; a
+# request that got there first would compute locally and the round would test no failed load.
+TIMEOUTS = {"transfer_timeout_s": 5, "progress_timeout_s": 120, "read_timeout_s": 30,
+            "lookup_view": False, "query_timeout_s": 30, "lookup_deadline_s": 60}
 
 
 @dataclass
@@ -235,13 +239,26 @@ def _in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseExcep
     return t, errors
 
 
+def counted_a_failed_load(c: Cluster, before: float) -> None:
+    """R counted more failed blocks than `before` (vLLM: after its next step). If not, the
+    failure shows R's counters and its last read messages: a load never tried, or one tried
+    and not counted."""
+    try:
+        wait_for(lambda: c.host.counter(c.R, "failed") > before, timeout_s=60)
+    except pytest.fail.Exception:
+        lines = (c.run / "R.log").read_text(errors="replace").splitlines()
+        reads = [line[-160:] for line in lines if any(w in line for w in ("read of", "reads from", "load fail"))]
+        pytest.fail(f"R counted no failed load: loaded {c.host.counter(c.R, 'loaded')}, failed "
+                    f"{c.host.counter(c.R, 'failed')} (before {before}); its last read messages: {reads[-4:]}")
+
+
 def late_round(c: Cluster) -> None:
     p = c.computed_by_source(c.host.blocks)
     failed = c.host.counter(c.R, "failed")
     _signal(c.S, signal.SIGSTOP)
     try:
         c.check(c.R, p + c.prompt(0, 6))                       # the read to S fails: recomputed
-        wait_for(lambda: c.host.counter(c.R, "failed") > failed, timeout_s=60)  # (vLLM: after its next step)
+        counted_a_failed_load(c, failed)
         others = [c.prompt(c.host.blocks + 4), c.prompt(c.host.blocks + 4)]
         for q in others:                                       # they take over the recomputed blocks
             c.check(c.R, q)
@@ -266,7 +283,7 @@ def corrupt_round(c: Cluster) -> None:
     finally:
         _signal(c.S, signal.SIGCONT)
     c.check(c.R, p + c.prompt(0, 6))                           # its blocks fail validation: recomputed
-    wait_for(lambda: c.host.counter(c.R, "failed") > failed, timeout_s=60)
+    counted_a_failed_load(c, failed)
     c.local_hits([p])
 
 
