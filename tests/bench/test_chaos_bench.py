@@ -153,6 +153,7 @@ def test_etcd_gauges_read_a_real_etcds_metrics(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # past the run's own 900 s bound (it takes ~5 min on a 2-core machine)
 def test_short_chaos_run_passes_the_checker(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # past the benches' own 600 / 900 s bounds
 
 
 def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None:

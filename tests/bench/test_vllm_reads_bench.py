@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.transfer import TransferConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2000)]  # past the bench's own 1800 s bound
 
 
 def test_every_offered_block_loads_under_contention_and_stalls(tmp_path: Path) -> None:
