@@ -8,9 +8,9 @@ key-padding mask. GQA without copies: the group's query heads of one KV head are
 that KV head's query rows ([seqs, kv_heads, group, head_dim] against keys [seqs, kv_heads, keys,
 head_dim]), so SDPA's fused CPU kernel runs (enable_gqa would send it to the unfused math path).
 
-Prefill chunks go to the C prefill kernel (float32, head_dim 64, AVX-512): flash-attention
-tiles over the paged K/V in place, no gather. Without it they run one sequence at a time
-through SDPA, GQA by broadcasting each KV head over its query heads (stride 0).
+Prefill chunks go to the C prefill kernel (float32, head_dim 64, AVX-512 or AVX2 with FMA):
+flash-attention tiles over the paged K/V in place, no gather. Without it they run one sequence
+at a time through SDPA, GQA by broadcasting each KV head over its query heads (stride 0).
 
 `paged_attention_reference` is the plain per-sequence form the tests compare against.
 """
@@ -33,17 +33,18 @@ def causal_mask(num_query: int, context_len: int, device: torch.device) -> torch
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [num_tokens, heads, head_dim] -> output of the same shape (the new K/V are already cached)."""
+                    scale: float, c_kernels: bool = True) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim] -> output of the same shape (the new K/V are already cached).
+    c_kernels=False: the torch paths even where the C kernels run (`kvpool bench kernels` times both)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if cpu_kernel.supports(cache.blocks, q.shape[1], cache.layout.num_kv_heads) and q.stride(-1) == 1:
+    if c_kernels and cpu_kernel.supports(cache.blocks, q.shape[1], cache.layout.num_kv_heads) and q.stride(-1) == 1:
         rows, ctx, tables, starts = meta.decode_tables
         if rows.numel():
             cpu_kernel.paged_decode(q, cache.blocks, layer, rows, ctx, tables, starts, out, scale)
     else:
         for g in meta.decode_groups(cache.layout.block_size):
             out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
-    in_place = cpu_kernel.supports_prefill(q, cache.blocks)
+    in_place = c_kernels and cpu_kernel.supports_prefill(q, cache.blocks)
     for s in meta.prefill_seqs:
         qs = q[s.query_start:s.query_start + s.num_query]
         if in_place and cpu_kernel.paged_prefill(qs, cache.blocks, layer, s.block_table, s.context_len,

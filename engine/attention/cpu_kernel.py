@@ -69,7 +69,7 @@ def paged_decode(q: torch.Tensor, blocks: torch.Tensor, layer: int, rows: torch.
 def _bind_prefill(lib: ctypes.CDLL) -> Any:
     lib.paged_prefill_built.restype = ctypes.c_int
     if not lib.paged_prefill_built():
-        raise KernelBuildError("this CPU has no AVX-512 (the kernel's register tiles need it)")
+        raise KernelBuildError("this CPU has neither AVX-512 nor AVX2 with FMA (the kernel's register tiles need one)")
     f = lib.paged_prefill_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     f.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float]
@@ -82,7 +82,7 @@ _prefill_kernel = LazyLibrary(PREFILL_SOURCE, _bind_prefill, "C prefill attentio
 
 def supports_prefill(q: torch.Tensor, blocks: torch.Tensor) -> bool:
     """Whether `paged_prefill` can run for these queries ([tokens, heads, head_dim]) and this
-    cache (it may still decline: no AVX-512 in the build, see its return value)."""
+    cache (it may still decline: see its return value)."""
     return (_float32_cache(blocks, q.shape[1], blocks.shape[4]) and blocks.shape[-1] == PREFILL_HEAD_DIM
             and q.dtype == torch.float32 and q.stride(-1) == 1 and q.stride(1) == q.shape[-1]
             and _prefill_kernel.get() is not None)
@@ -93,7 +93,7 @@ def paged_prefill(q: torch.Tensor, blocks: torch.Tensor, layer: int, table: torc
     """Causal attention of one sequence's last q.shape[0] positions ([n, heads, head_dim], head
     and dim contiguous) over its `ctx_len` keys, read in place along `table` (int64;
     the chunk's own K/V already written), into `out` ([n, heads, head_dim], same inner layout).
-    False (nothing written) where the built kernel declines (no AVX-512): use SDPA then."""
+    False (nothing written) where the built kernel declines (head_dim not 64): use SDPA then."""
     fn = _prefill_kernel.get()
     hd = blocks.shape[5]
     assert fn is not None and q.stride(-1) == 1 and q.stride(1) == hd and out.stride(-1) == 1 and out.stride(1) == hd

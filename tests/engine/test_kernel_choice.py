@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from engine import kernel_choice as kc
+from engine.attention import cpu_kernel
+from kvpool_bench.kernels_bench import ATTENTION_SHAPES, DECODE_SHAPES
 from tests.engine.conftest import make_engine, run_all
 
 OPS = [kc.Op("qkv", 960, 576), kc.Op("gate_up", 3072, 576, gated=True), kc.Op("lm_head", 4096, 576, head=True)]
@@ -176,6 +178,14 @@ def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(tmp_path: Pa
     for r in rows:  # the C kernel's rows per call at each batch size of the mix
         batches = [int(t.split(":")[0]) for t in r if re.fullmatch(r"\d+:\d+", t)]
         assert batches == list(kc.HEAD_BATCHES if r[0] == "lm_head" else kc.BATCHES), r
+    prefill = [line.split() for line in proc.stdout.splitlines() if line.startswith("prefill ")]
+    decode = [line.split() for line in proc.stdout.splitlines() if line.startswith("decode ")]
+    assert [(int(r[1]), int(r[3])) for r in prefill] == list(ATTENTION_SHAPES), proc.stdout
+    assert [(int(r[1]), int(r[3])) for r in decode] == list(DECODE_SHAPES), proc.stdout
+    blocks = torch.zeros(1, 1, 2, 16, 3, 64)
+    for lines, built in ((prefill, cpu_kernel.supports_prefill(torch.zeros(1, 9, 64), blocks)),
+                         (decode, cpu_kernel.supports(blocks, 9, 3))):  # torch's time over the C kernel's
+        assert all((float(r[4]) > 0 if built else r[4:] == ["C", "kernel", "not", "built"]) for r in lines), proc.stdout
     cached = json.loads((tmp_path / "kvpool" / "kernels.json").read_text())
     (entries,) = cached.values()
     assert sorted(entries) == sorted(["960x576", "576x576", "3072x576-gated", "576x1536", "49152x576"])

@@ -1,7 +1,8 @@
 """The C prefill-attention kernel (engine/native/csrc/paged_prefill.c) against SDPA.
 
-It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512; the shapes here
-cut its 8-row query tiles and 32-key tiles at every kind of edge, with history (chunked
+It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512 or AVX2 with FMA;
+the shapes here cut its query tiles (8 rows with AVX-512, 6 with AVX2) and 32-key tiles at every
+kind of edge, with history (chunked
 prefill) and without, NaN in every cache slot outside the contexts (never to be read), and
 GQA groups of 3 and 1.
 """
@@ -17,8 +18,8 @@ from engine.native.build import build
 from tests.engine.test_cpu_attention import fresh, random_pass
 
 HD = cpu_kernel.PREFILL_HEAD_DIM
-AVX512 = "avx512f" in next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                             if line.startswith("flags")), "")
+FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+BUILT = "avx512f" in FLAGS or ("avx2" in FLAGS and "fma" in FLAGS)
 
 
 @pytest.fixture(autouse=True)
@@ -58,21 +59,21 @@ def test_prefills_and_chunks_match_sdpa(monkeypatch, heads: int, kv_heads: int) 
     check(q, cache, meta)
     # decode rows (one query) go to the decode kernel; every longer chunk to this one, per layer
     taken = [s for s in specs if s[0] > 1]
-    assert calls == (taken * 2 if AVX512 else [])
+    assert calls == (taken * 2 if BUILT else [])
 
 
 def test_the_kernel_is_offered_only_where_it_is_built() -> None:
-    """Without AVX-512 the build leaves the kernel out, and the engine says SDPA runs (the report
-    `kvpool bench engine` prints), not a kernel that would decline every call."""
+    """Without AVX-512 or AVX2 with FMA the build leaves the kernel out, and the engine says SDPA
+    runs (the report `kvpool bench engine` prints), not a kernel that would decline every call."""
     q, cache, _ = random_pass([(9, 9)], seed=25, heads=9, kv_heads=3, head_dim=HD, layers=1)
-    assert cpu_kernel.supports_prefill(q, cache.blocks) is AVX512
+    assert cpu_kernel.supports_prefill(q, cache.blocks) is BUILT
 
 
 def test_a_long_prefill_matches_sdpa(monkeypatch) -> None:
     calls = counted(monkeypatch)
     q, cache, meta = random_pass([(600, 600), (300, 1000)], seed=22, heads=9, kv_heads=3, head_dim=HD, layers=1)
     check(q, cache, meta)
-    assert len(calls) == (2 if AVX512 else 0)
+    assert len(calls) == (2 if BUILT else 0)
 
 
 def test_each_row_sees_exactly_its_causal_prefix() -> None:
@@ -95,3 +96,23 @@ def test_other_head_sizes_stay_on_sdpa(monkeypatch) -> None:
     assert not cpu_kernel.supports_prefill(q, cache.blocks)
     check(q, cache, meta)
     assert calls == []
+
+
+@pytest.mark.skipif(not BUILT, reason="the kernel is not built on this CPU")
+def test_a_rows_bits_do_not_depend_on_the_chunk_it_ran_in() -> None:
+    """Chunked prefill gives the bits an unchunked one does (the pool's equality rests on it: a
+    prefix hit computes only the suffix): every split of a 150-token prefill into two chunks,
+    each cut differently against the query tiles, yields each row bit for bit."""
+    n = 150
+    q, cache, meta = random_pass([(n, n)], seed=26, heads=9, kv_heads=3, head_dim=HD, layers=1)
+    table = meta.seqs[0].block_table
+
+    def run(first: int, last: int) -> torch.Tensor:  # rows first .. last-1, keys 0 .. last-1
+        out = torch.empty_like(q[first:last])
+        assert cpu_kernel.paged_prefill(q[first:last], cache.blocks, 0, table, last, out, 0.125)
+        return out
+
+    whole = run(0, n)
+    for split in (1, 5, 6, 7, 8, 31, 32, 33, 64, 97, 149):
+        assert torch.equal(run(0, split), whole[:split]), f"first chunk of a split at {split}"
+        assert torch.equal(run(split, n), whole[split:]), f"second chunk of a split at {split}"

@@ -5,11 +5,18 @@
  * 8 query rows) the keys are walked in tiles of 32, the scores folded into a running softmax
  * (max, sum, weighted V), so no score matrix is ever stored beyond one 8 x 32 tile.
  *
- * Register blocking (AVX-512, 32 zmm registers):
+ * Register blocking, AVX-512 (32 zmm registers):
  *   scores  S[8][32] = Q[8][64] . K^T[64][32]: 16 accumulators (8 rows x 2 zmm), per head dim
  *           two loads of K^T and 8 broadcasts of Q;
  *   values  O[4][64] += P[4][32] . V[32][64]: 16 accumulators (4 rows x 4 zmm), twice per tile,
  *           each V row loaded once for its 4 rows (simd.h's load_row64).
+ * AVX2 with FMA (16 ymm registers; query tiles of 6 rows):
+ *   scores  S[6][16] = Q[6][64] . K^T[64][16], twice per key tile: 12 accumulators (6 rows x
+ *           2 ymm), per head dim two loads of K^T and 6 broadcasts of Q (BLIS's 6x16 block);
+ *   values  O[6][16] += P[6][32] . V[32][16], for each quarter of the head dim: 12 accumulators.
+ * A row's arithmetic is the same whichever rows share its tile and however the sequence was
+ * chunked (key tiles start at key 0; fully masked keys add exact zeros), so chunked prefill
+ * gives the bits an unchunked one does.
  * K^T and V are packed once per call, per KV head and key tile ([kvh][tile][64][32] and
  * [kvh][tile][32][64], zeros past ctx: 2 x ctx x kvh x 64 floats, small next to the
  * arithmetic): each is read by every query tile of the group's heads, and a contiguous copy
@@ -22,7 +29,8 @@
  * layer L's K is at base + b*block_stride + L*layer_stride + t*token_stride + h*head_dim + d, V
  * `v_offset` further. q: [tokens, heads, head_dim] with row stride q_stride; out: row stride
  * out_stride, head h at h*head_dim. head_dim must be 64 (returns 0 without writing otherwise,
- * or where the compiler has no AVX-512: the caller then uses SDPA); returns 1 when done.
+ * or where the compiler has neither AVX-512 nor AVX2 with FMA: the caller then uses SDPA);
+ * returns 1 when done.
  * Threads: torch's OpenMP runtime, work items (query head, query tile) scheduled dynamically
  * (causal tiles differ in length).
  */
@@ -31,10 +39,9 @@
 #include <string.h>
 
 #define HD 64
-#define QT 8    /* query rows per tile */
 #define KT 32   /* keys per tile */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
 
 /* One KV head's key tile, packed: kt[d][j] = K[tile*32 + j][d] and vt[j][d] = V[tile*32 + j][d],
@@ -53,6 +60,26 @@ static void pack_tile(const float *kbase, const float *vbase, const int64_t *tab
         memcpy(vt + j * HD, vbase + off, HD * sizeof(float));
     }
 }
+
+/* A query tile's qt rows q0.. of head hq, scaled (a short tile of m < qt rows repeats its last
+ * row, never stored), and their positions; each row's running max starts below any score.
+ * Returns the tile's last position. */
+static inline __attribute__((always_inline)) int64_t load_queries(const float *q, int64_t q_stride, int64_t q0,
+                                                                  int m, int qt, int64_t hq, float scale,
+                                                                  int64_t first_pos, float (*qa)[HD], int64_t *pos,
+                                                                  float *mx) {
+    for (int i = 0; i < qt; i++) {
+        const int r = i < m ? i : m - 1;
+        const float *src = q + (q0 + r) * q_stride + hq * HD;
+        for (int d = 0; d < HD; d++) qa[i][d] = src[d] * scale;
+        pos[i] = first_pos + q0 + r;
+        mx[i] = -3.0e38f;
+    }
+    return pos[qt - 1];
+}
+
+#ifdef __AVX512F__
+#define QT 8    /* query rows per tile */
 
 /* P[rows][32] . V[32 keys][64] (a packed tile, nk keys of it) added into o[rows][64] (rows <= 4),
  * o scaled by alpha[] first. */
@@ -89,16 +116,9 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
     float mx[16] __attribute__((aligned(64))) = {0}, nmx[16] __attribute__((aligned(64))) = {0};
     float alpha[16] __attribute__((aligned(64)));
     int64_t pos[QT];
-    for (int i = 0; i < QT; i++) {
-        const int r = i < m ? i : m - 1;  /* a short tile repeats its last row (never stored) */
-        const float *src = q + (q0 + r) * q_stride + hq * HD;
-        for (int d = 0; d < HD; d++) qa[i][d] = src[d] * scale;
-        pos[i] = first_pos + q0 + r;
-        mx[i] = -3.0e38f;
-    }
+    const int64_t last = load_queries(q, q_stride, q0, m, QT, hq, scale, first_pos, qa, pos, mx);
     memset(o, 0, sizeof(o));
     memset(lv, 0, sizeof(lv));
-    const int64_t last = pos[QT - 1] > pos[m - 1] ? pos[QT - 1] : pos[m - 1];
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 lo = _mm512_set1_ps(-3.0e38f);
     for (int64_t tile = 0; tile * KT <= last; tile++) {
@@ -158,6 +178,127 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
     }
 }
 
+#else  /* AVX2 with FMA */
+#define QT 6    /* query rows per tile */
+
+/* AVX2: P[6][32] . V[32 keys][16] (a quarter c of the head dim; nk keys of the tile) added into
+ * o[6][64]'s quarter, o scaled by alpha[] first. */
+static inline __attribute__((always_inline)) void pv6(const float *p, const float *vt, int nk, float *o,
+                                                      const float *alpha, int c) {
+    __m256 acc[QT][2];
+    for (int i = 0; i < QT; i++) {
+        const __m256 a = _mm256_set1_ps(alpha[i]);
+        acc[i][0] = _mm256_mul_ps(_mm256_load_ps(o + i * HD + c * 16), a);
+        acc[i][1] = _mm256_mul_ps(_mm256_load_ps(o + i * HD + c * 16 + 8), a);
+    }
+    for (int j = 0; j < nk; j++) {
+        const __m256 v0 = _mm256_load_ps(vt + j * HD + c * 16), v1 = _mm256_load_ps(vt + j * HD + c * 16 + 8);
+        for (int i = 0; i < QT; i++) {
+            const __m256 w = _mm256_broadcast_ss(p + i * KT + j);
+            acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
+        }
+    }
+    for (int i = 0; i < QT; i++) {
+        _mm256_store_ps(o + i * HD + c * 16, acc[i][0]);
+        _mm256_store_ps(o + i * HD + c * 16 + 8, acc[i][1]);
+    }
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One (query head, query tile), as the AVX-512 attend_tile, on 8-float vectors. */
+static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
+                        const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
+    float qa[QT][HD] __attribute__((aligned(32)));
+    float o[QT][HD] __attribute__((aligned(32)));
+    float sc[QT][KT] __attribute__((aligned(32)));  /* a key tile's scores, then its probabilities */
+    float lv[QT][8] __attribute__((aligned(32)));   /* per-row sums, 8 lanes, summed at the end */
+    float mx[8] __attribute__((aligned(32))) = {0}, nmx[8] __attribute__((aligned(32))) = {0};
+    float alpha[8] __attribute__((aligned(32)));
+    int64_t pos[QT];
+    const int64_t last = load_queries(q, q_stride, q0, m, QT, hq, scale, first_pos, qa, pos, mx);
+    memset(o, 0, sizeof(o));
+    memset(lv, 0, sizeof(lv));
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lo = _mm256_set1_ps(-3.0e38f);
+    for (int64_t tile = 0; tile * KT <= last; tile++) {
+        const float *kt = kt_head + tile * (HD * KT);
+        for (int h = 0; h < KT; h += 16) {
+            __m256 s0[QT], s1[QT];
+            for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm256_setzero_ps();
+            for (int d = 0; d < HD; d++) {
+                const __m256 b0 = _mm256_load_ps(kt + d * KT + h), b1 = _mm256_load_ps(kt + d * KT + h + 8);
+                for (int i = 0; i < QT; i++) {
+                    const __m256 a = _mm256_broadcast_ss(&qa[i][d]);
+                    s0[i] = _mm256_fmadd_ps(a, b0, s0[i]);
+                    s1[i] = _mm256_fmadd_ps(a, b1, s1[i]);
+                }
+            }
+            for (int i = 0; i < QT; i++) {
+                _mm256_store_ps(sc[i] + h, s0[i]);
+                _mm256_store_ps(sc[i] + h + 8, s1[i]);
+            }
+        }
+        const int64_t k0 = tile * KT;
+        /* Keys past a row's position are masked (all ones: every row sees the whole tile) */
+        __m256 mk[QT][4];
+        const int whole = k0 + KT - 1 <= pos[0];
+        for (int i = 0; i < QT; i++) {
+            __m256 s[4];
+            const __m256 lim = _mm256_set1_ps((float)pos[i]);
+            for (int c = 0; c < 4; c++) {
+                s[c] = _mm256_load_ps(sc[i] + c * 8);
+                if (whole) {
+                    mk[i][c] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                } else {
+                    const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps((float)(k0 + c * 8)));
+                    mk[i][c] = _mm256_cmp_ps(key, lim, _CMP_LE_OQ);
+                    s[c] = _mm256_blendv_ps(lo, s[c], mk[i][c]);
+                }
+                _mm256_store_ps(sc[i] + c * 8, s[c]);
+            }
+            const float tmax = hmax256(_mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3])));
+            nmx[i] = tmax > mx[i] ? tmax : mx[i];
+        }
+        /* the 6 rows' rescale factors exp(old max - new max) in one exp */
+        _mm256_store_ps(alpha, exp256(_mm256_sub_ps(_mm256_load_ps(mx), _mm256_load_ps(nmx))));
+        for (int i = 0; i < QT; i++) {
+            mx[i] = nmx[i];
+            const __m256 nmv = _mm256_set1_ps(nmx[i]);
+            __m256 e[4];
+            for (int c = 0; c < 4; c++) {
+                e[c] = _mm256_and_ps(mk[i][c], exp256(_mm256_sub_ps(_mm256_load_ps(sc[i] + c * 8), nmv)));
+                _mm256_store_ps(sc[i] + c * 8, e[c]);
+            }
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
+            _mm256_store_ps(lv[i], _mm256_fmadd_ps(_mm256_load_ps(lv[i]), _mm256_set1_ps(alpha[i]), sum));
+        }
+        const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
+        const float *vt = vt_head + tile * (KT * HD);
+        for (int c = 0; c < 4; c++) pv6(sc[0], vt, nk, o[0], alpha, c);
+    }
+    for (int i = 0; i < m; i++) {
+        const __m256 inv = _mm256_set1_ps(1.f / hsum256(_mm256_load_ps(lv[i])));
+        float *dst = out + (q0 + i) * out_stride + hq * HD;
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_load_ps(o[i] + c * 8), inv));
+    }
+}
+
+#endif
+
 int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_offset, int64_t v_offset,
                       int64_t token_stride, const float *q, int64_t q_stride, float *out, int64_t out_stride,
                       const int64_t *table, int64_t ctx, int64_t num_query, int64_t kvh, int64_t group,
@@ -191,7 +332,7 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
 
 int paged_prefill_built(void) { return 1; }
 
-#else  /* no AVX-512: the caller falls back to SDPA */
+#else  /* neither AVX-512 nor AVX2 with FMA: the caller falls back to SDPA */
 
 int paged_prefill_built(void) { return 0; }
 

@@ -1,15 +1,18 @@
-/* AVX-512 helpers the C kernels share (the attention kernels and layer_ops.c include
- * this file; a build's cache key hashes the headers its source includes).
+/* SIMD helpers the C kernels share (the attention kernels and layer_ops.c include this file;
+ * a build's cache key hashes the headers its source includes): AVX-512 ones where the compiler
+ * targets AVX-512, exp256 where it targets AVX2 with FMA.
  *
- * exp512: exp over 16 floats, for the softmax (x <= 0 there: scores minus their running max)
- * and SiLU. Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a degree-6
- * polynomial, 2^n by vscalefps; |rel err| < 2 ulp up to x ~ 88, +inf past it (as exp
- * overflows). The clamp below keeps 2^n representable and turns the kernels' -3e38 "no max
- * yet" sentinel into a factor of ~0. */
+ * exp512 / exp256: exp over 16 / 8 floats, for the softmax (x <= 0 there: scores minus their
+ * running max) and SiLU. Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a
+ * degree-6 polynomial, times 2^n (vscalefps; AVX2 builds 2^n's exponent bits, n >= -126 after
+ * the clamp); |rel err| < 2 ulp up to x ~ 88, +inf past it (as exp overflows). The clamp
+ * below keeps 2^n representable and turns the kernels' -3e38 "no max yet" sentinel into a
+ * factor of ~0. */
 #ifndef KVPOOL_SIMD_H
 #define KVPOOL_SIMD_H
 #include <immintrin.h>
 
+#ifdef __AVX512F__
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -38,5 +41,25 @@ static inline __attribute__((always_inline)) void load_row64(const float *src, _
     *r3 = _mm512_loadu_ps(src + 48);
     __asm__("" : "+v"(*r0), "+v"(*r1), "+v"(*r2), "+v"(*r3));
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 
 #endif
