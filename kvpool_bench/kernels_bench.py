@@ -37,7 +37,8 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from engine.loader import load_model
 
-    ops = kc.linear_ops(load_model(args.model).config)
+    config = load_model(args.model).config
+    ops = kc.linear_ops(config)
     print(describe(cpu_info()) + f"; torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'op':8s} {'shape':16s} {'oneDNN / C time':>16s}  {'oneDNN rows invariant':>21s}  "
           f"{'C rows per call (batch:rows)':>28s}  chosen")
@@ -52,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{op.name:8s} {op.key:16s} {c.onednn_s / c.c_s:16.2f}  {str(invariant):>21s}  {blocks:>28s}  "
                   f"{'C panels' if c.kernel == kc.C else 'oneDNN'}  ({time.perf_counter() - t0:.2f} s)")
             last[op.name] = c
-    attention(load_model(args.model).config)
+    attention(config)
     if args.write:
         path = kc.cache_path()
         path.unlink(missing_ok=True)

@@ -2,23 +2,20 @@
 
 It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512 or AVX2 with FMA;
 the shapes here cut its query tiles (8 rows with AVX-512, 6 with AVX2) and 32-key tiles at every
-kind of edge, with history (chunked
-prefill) and without, NaN in every cache slot outside the contexts (never to be read), and
-GQA groups of 3 and 1.
+kind of edge, with history (chunked prefill) and without, NaN in every cache slot outside the
+contexts (never to be read), and GQA groups of 3 and 1.
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 from engine.attention import cpu_backend, cpu_kernel
-from engine.native.build import build
+from engine.native.build import build, cpu_flags
 from tests.engine.test_cpu_attention import fresh, random_pass
 
 HD = cpu_kernel.PREFILL_HEAD_DIM
-FLAGS = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+FLAGS = cpu_flags().split()
 BUILT = "avx512f" in FLAGS or ("avx2" in FLAGS and "fma" in FLAGS)
 
 

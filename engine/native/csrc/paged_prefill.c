@@ -2,8 +2,8 @@
  *
  * One sequence per call: its last `num_query` positions attend causally over its `ctx` keys
  * (the chunk's own K/V already written). Flash-attention order: for each (query head, tile of
- * 8 query rows) the keys are walked in tiles of 32, the scores folded into a running softmax
- * (max, sum, weighted V), so no score matrix is ever stored beyond one 8 x 32 tile.
+ * 8 query rows, 6 with AVX2) the keys are walked in tiles of 32, the scores folded into a
+ * running softmax (max, sum, weighted V), so no score matrix is ever stored beyond one tile.
  *
  * Register blocking, AVX-512 (32 zmm registers):
  *   scores  S[8][32] = Q[8][64] . K^T[64][32]: 16 accumulators (8 rows x 2 zmm), per head dim
@@ -267,8 +267,8 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
                     const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps((float)(k0 + c * 8)));
                     mk[i][c] = _mm256_cmp_ps(key, lim, _CMP_LE_OQ);
                     s[c] = _mm256_blendv_ps(lo, s[c], mk[i][c]);
+                    _mm256_store_ps(sc[i] + c * 8, s[c]);
                 }
-                _mm256_store_ps(sc[i] + c * 8, s[c]);
             }
             const float tmax = hmax256(_mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3])));
             nmx[i] = tmax > mx[i] ? tmax : mx[i];
