@@ -94,8 +94,19 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
+
+#define CHUNK_BLOCKS 64  /* blocks scored before their softmax and V pass: 1,024 keys, 12 KB of scores */
+#endif
+
+#ifdef __AVX512F__
+/* Prefetch one block's 16 rows of one head (K or V) into L2: each block lies elsewhere in
+ * memory, which the hardware prefetcher cannot guess. */
+static inline __attribute__((always_inline)) void prefetch_rows(const float *rows, int64_t token_stride) {
+    for (int t = 0; t < 16; t++)
+        for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(rows + t * token_stride + c * 16), _MM_HINT_T1);
+}
 
 /* The 16 lane sums of v[0..15] (a vector each), in a fixed lane order (`sum_order` undoes it):
  * three rounds of shuffle-and-add halve the vectors, 45 operations for 16 sums where 16
@@ -122,15 +133,6 @@ static __m512i sum_order(void) {
     int idx[16];
     for (int lane = 0; lane < 16; lane++) idx[(int)(w[lane] / 16.f + 0.5f)] = lane;
     return _mm512_loadu_si512(idx);
-}
-
-#define CHUNK_BLOCKS 64  /* blocks scored before their softmax and V pass: 1,024 keys, 12 KB of scores */
-
-/* Prefetch one block's 16 rows of one head (K or V) into L2: each block lies elsewhere in
- * memory, which the hardware prefetcher cannot guess. */
-static inline __attribute__((always_inline)) void prefetch_rows(const float *rows, int64_t token_stride) {
-    for (int t = 0; t < 16; t++)
-        for (int c = 0; c < 4; c++) _mm_prefetch((const char *)(rows + t * token_stride + c * 16), _MM_HINT_T1);
 }
 
 /* One block's n (1..16) keys of one KV head scored against 3 query heads into sc[g][0..16):
@@ -249,6 +251,170 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(acc[g][c], inv));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same item with AVX2 (16 registers of 8 floats): the same two passes a chunk; what changes
+ * is what fits the registers. Scores: 4 keys at a time, each query vector (from L1) loaded once
+ * for the 4 keys' 12 running products (3 heads x 4 keys), and `sum8` turns 8 keys' partial
+ * vectors into their 8 scores. The weighted V sum (3 x 64, 24 vectors) does not fit: a block's
+ * V rows are walked once per half of the head dim (the block is in L1 by the second walk), that
+ * half's 12 sums in registers. Prefetch: while a block is read, the next block's rows of this
+ * head are prefetched one row per row read (K in the score pass, V in the V pass), spread
+ * through the loop: measured here (Zen 3) a burst of a block's 64 prefetches was slower than
+ * none, a row at a time 20-30% faster. */
+
+/* r[t] = the sum of v[t]'s 8 lanes, t = 0..7: a tree of hadds, the same order for every t. */
+static inline __m256 sum8(const __m256 *v) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* Lanes below n set (all bits), the rest clear; n in 0..8. */
+static inline __m256 lanes_below(int64_t n) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* One block's n (1..16) keys of one KV head scored against 3 query heads (q: [3][64], scaled)
+ * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). */
+static inline __attribute__((always_inline)) void score_block8(const float *q, const float *kb, int64_t token_stride,
+                                                               int n, float *sc0, float *sc1, float *sc2, const float *pf) {
+    float *dst[3] = {sc0, sc1, sc2};
+    for (int t0 = 0; t0 < 16; t0 += 8) {
+        __m256 part[3][8];
+        for (int t4 = 0; t4 < 8; t4 += 4) {
+            /* Rows past the sequence's end are scored on row 0 (finite) and the scores dropped:
+             * the slots past n may hold anything, NaN included. */
+            const float *k[4];
+            for (int t = 0; t < 4; t++) k[t] = t0 + t4 + t < n ? kb + (t0 + t4 + t) * token_stride : kb;
+            if (pf)
+                for (int t = 0; t < 4; t++)
+                    for (int c = 0; c < 4; c++)
+                        _mm_prefetch((const char *)(pf + (t0 + t4 + t) * token_stride + c * 16), _MM_HINT_T0);
+            __m256 a[4][3];
+            for (int c = 0; c < 8; c++) {
+                const __m256 q0 = _mm256_load_ps(q + c * 8), q1 = _mm256_load_ps(q + 64 + c * 8);
+                const __m256 q2 = _mm256_load_ps(q + 128 + c * 8);
+                for (int t = 0; t < 4; t++) {
+                    const __m256 x = _mm256_loadu_ps(k[t] + c * 8);
+                    if (c == 0) {
+                        a[t][0] = _mm256_mul_ps(q0, x);
+                        a[t][1] = _mm256_mul_ps(q1, x);
+                        a[t][2] = _mm256_mul_ps(q2, x);
+                    } else {
+                        a[t][0] = _mm256_fmadd_ps(q0, x, a[t][0]);
+                        a[t][1] = _mm256_fmadd_ps(q1, x, a[t][1]);
+                        a[t][2] = _mm256_fmadd_ps(q2, x, a[t][2]);
+                    }
+                }
+            }
+            for (int t = 0; t < 4; t++)
+                for (int g = 0; g < 3; g++) part[g][t4 + t] = t0 + t4 + t < n ? a[t][g] : _mm256_setzero_ps();
+        }
+        for (int g = 0; g < 3; g++) _mm256_store_ps(dst[g] + t0, sum8(part[g]));
+    }
+}
+
+/* As the AVX-512 softmax_chunk: sc[0..nt) (32-byte aligned, whole vectors) becomes
+ * exp(sc - m'); returns exp(old max - m'), the factor for the weighted V sums. */
+static inline __attribute__((always_inline)) float softmax_chunk8(float *sc, int64_t nt, float *mx, float *l) {
+    const int64_t nfull = nt / 8, rem = nt % 8;
+    const __m256 tail = lanes_below(rem), lowest = _mm256_set1_ps(-3.0e38f);
+    __m256 m = lowest;
+    for (int64_t i = 0; i < nfull; i++) m = _mm256_max_ps(m, _mm256_load_ps(sc + i * 8));
+    if (rem) m = _mm256_max_ps(m, _mm256_blendv_ps(lowest, _mm256_load_ps(sc + nfull * 8), tail));
+    const float bm = hmax8(m), nm = bm > *mx ? bm : *mx;
+    const float c = expf(*mx - nm);
+    *mx = nm;
+    const __m256 vm = _mm256_set1_ps(nm);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nfull; i++) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(sc + i * 8), vm));
+        _mm256_store_ps(sc + i * 8, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (rem) {
+        const __m256 e = _mm256_and_ps(tail, exp256(_mm256_sub_ps(_mm256_load_ps(sc + nfull * 8), vm)));
+        _mm256_store_ps(sc + nfull * 8, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    *l = *l * c + hsum8(sum);
+    return c;
+}
+
+/* acc[g][half * 32 ..][0..32) += sum over the block's n keys of p[g][t] * V[t][half * 32 ..]. */
+static inline __attribute__((always_inline)) void weigh_half(float *acc, const float *vb, int64_t token_stride,
+                                                             int n, const float *p0, const float *p1,
+                                                             const float *p2, int half, const float *pf) {
+    const float *p[3] = {p0, p1, p2};
+    __m256 a[3][4];
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = _mm256_load_ps(acc + g * 64 + half * 32 + c * 8);
+    for (int t = 0; t < n; t++) {
+        const float *v = vb + t * token_stride + half * 32;
+        if (pf) for (int c = 0; c < 2; c++) _mm_prefetch((const char *)(pf + t * token_stride + half * 32 + c * 16), _MM_HINT_T0);
+        const __m256 w0 = _mm256_broadcast_ss(p[0] + t), w1 = _mm256_broadcast_ss(p[1] + t);
+        const __m256 w2 = _mm256_broadcast_ss(p[2] + t);
+        for (int c = 0; c < 4; c++) {
+            const __m256 x = _mm256_loadu_ps(v + c * 8);
+            a[0][c] = _mm256_fmadd_ps(w0, x, a[0][c]);
+            a[1][c] = _mm256_fmadd_ps(w1, x, a[1][c]);
+            a[2][c] = _mm256_fmadd_ps(w2, x, a[2][c]);
+        }
+    }
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++) _mm256_store_ps(acc + g * 64 + half * 32 + c * 8, a[g][c]);
+}
+
+static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
+                      const int64_t *table, int64_t ctx, const float *qs, float *o, float scale) {
+    float q[3 * 64] __attribute__((aligned(32))), acc[3 * 64] __attribute__((aligned(32)));
+    for (int d = 0; d < 3 * 64; d++) {
+        q[d] = qs[d] * scale;
+        acc[d] = 0.f;
+    }
+    float mx[3] = {-3.0e38f, -3.0e38f, -3.0e38f}, l[3] = {0.f, 0.f, 0.f};
+    float sc[3][CHUNK_BLOCKS * 16] __attribute__((aligned(32)));
+    const int64_t nblocks = (ctx + 15) / 16;
+    for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
+        const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
+        const int64_t nt = (j0 + nb) * 16 < ctx ? nb * 16 : ctx - j0 * 16;  /* keys in the chunk */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const int64_t j = j0 + jj;
+            const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            score_block8(q, kbase + table[j] * block_stride, token_stride, n, sc[0] + jj * 16, sc[1] + jj * 16,
+                         sc[2] + jj * 16, j + 1 < nblocks ? kbase + table[j + 1] * block_stride : NULL);
+        }
+        for (int g = 0; g < 3; g++) {
+            const __m256 c = _mm256_set1_ps(softmax_chunk8(sc[g], nt, &mx[g], &l[g]));
+            for (int d = 0; d < 64; d += 8) _mm256_store_ps(acc + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc + g * 64 + d), c));
+        }
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const int64_t j = j0 + jj;
+            const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            const float *next = jj + 1 < nb ? kbase + table[j + 1] * block_stride + v_offset : NULL;
+            for (int half = 0; half < 2; half++)
+                weigh_half(acc, kbase + table[j] * block_stride + v_offset, token_stride, n, sc[0] + jj * 16,
+                           sc[1] + jj * 16, sc[2] + jj * 16, half, next);
+        }
+    }
+    for (int g = 0; g < 3; g++) {
+        const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+        for (int d = 0; d < 64; d += 8) _mm256_storeu_ps(o + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc + g * 64 + d), inv));
+    }
+}
 #endif
 
 #define ATTEND(GROUP, HEAD_DIM, BLOCK)                                                                       \
@@ -275,6 +441,12 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
         if (group == 3 && head_dim == 64 && block_size == 16) {  /* SmolLM2-135M, the default block */
             attend_g3(base + layer_offset + h * head_dim, v_offset, block_stride, token_stride, table, ctx, qs, o,
                       scale, order);
+            continue;
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (group == 3 && head_dim == 64 && block_size == 16) {
+            attend_g3(base + layer_offset + h * head_dim, v_offset, block_stride, token_stride, table, ctx, qs, o,
+                      scale);
             continue;
         }
 #else
