@@ -275,18 +275,6 @@ static inline __m256 lanes_below(int64_t n) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 /* One block's n (1..16) keys of one KV head scored against 3 query heads (q: [3][64], scaled)
  * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). */
 static inline __attribute__((always_inline)) void score_block8(const float *q, const float *kb, int64_t token_stride,
@@ -335,7 +323,7 @@ static inline __attribute__((always_inline)) float softmax_chunk8(float *sc, int
     __m256 m = lowest;
     for (int64_t i = 0; i < nfull; i++) m = _mm256_max_ps(m, _mm256_load_ps(sc + i * 8));
     if (rem) m = _mm256_max_ps(m, _mm256_blendv_ps(lowest, _mm256_load_ps(sc + nfull * 8), tail));
-    const float bm = hmax8(m), nm = bm > *mx ? bm : *mx;
+    const float bm = hmax256(m), nm = bm > *mx ? bm : *mx;
     const float c = expf(*mx - nm);
     *mx = nm;
     const __m256 vm = _mm256_set1_ps(nm);
@@ -350,7 +338,7 @@ static inline __attribute__((always_inline)) float softmax_chunk8(float *sc, int
         _mm256_store_ps(sc + nfull * 8, e);
         sum = _mm256_add_ps(sum, e);
     }
-    *l = *l * c + hsum8(sum);
+    *l = *l * c + hsum256(sum);
     return c;
 }
 

@@ -205,20 +205,6 @@ static inline __attribute__((always_inline)) void pv6(const float *p, const floa
     }
 }
 
-static inline float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One (query head, query tile), as the AVX-512 attend_tile, on 8-float vectors. */
 static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
                         const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {

@@ -2,6 +2,7 @@
  * a build's cache key hashes the headers its source includes): AVX-512 ones where the compiler
  * targets AVX-512, exp256 where it targets AVX2 with FMA.
  *
+ * hmax256 / hsum256: a vector's lanes reduced (AVX2).
  * exp512 / exp256: exp over 16 / 8 floats, for the softmax (x <= 0 there: scores minus their
  * running max) and SiLU. Cephes-style: n = round(x / ln 2), r = x - n ln 2 in two steps, a
  * degree-6 polynomial, times 2^n (vscalefps; AVX2 builds 2^n's exponent bits, n >= -126 after
@@ -59,6 +60,21 @@ static inline __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The max / the sum of v's 8 lanes (a fixed order: the same bits wherever it is called). */
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
 }
 #endif
 
