@@ -230,8 +230,8 @@ static inline __attribute__((always_inline)) void panel_rows(
  * Haswell-style 6x16 block. Out rows are out_stride apart; 16 raw sums each. A half panel is
  * read as one 64-byte line every 128 bytes, a stride the hardware prefetchers follow late
  * (profiled on Zen 3: the weight loads were the hot spot), so the line HALF_PREFETCH rows of k
- * ahead is prefetched (measured there: 3-12% more GFLOPS with the weights coming from memory,
- * as they do in a forward pass; the most at decode batch sizes). */
+ * ahead is prefetched (faster there with the weights coming from memory, as they do in a
+ * forward pass: docs/BENCHMARKS.md, "Decode attention on AVX2, the half panel's prefetch"). */
 #define HALF_PREFETCH 16
 static inline __attribute__((always_inline)) void half_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,

@@ -13,9 +13,9 @@
  * Work items (sequence, KV head) are spread over the OpenMP threads (torch's own runtime: the
  * library is loaded into a process that already holds torch's libgomp).
  *
- * Two implementations of one item: `attend_g3` in AVX-512 intrinsics for groups of 3 query heads,
- * head_dim 64 and 16-token blocks (SmolLM2-135M's shapes with the default block), and the
- * portable `attend_one` (auto-vectorised C) for everything else.
+ * Two implementations of one item: `attend_g3` in intrinsics (AVX-512, or AVX2 with FMA) for
+ * groups of 3 query heads, head_dim 64 and 16-token blocks (SmolLM2-135M's shapes with the
+ * default block), and the portable `attend_one` (auto-vectorised C) for everything else.
  */
 #include <float.h>
 #include <math.h>
@@ -259,8 +259,9 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
  * V rows are walked once per half of the head dim (the block is in L1 by the second walk), that
  * half's 12 sums in registers. Prefetch: while a block is read, the next block's rows of this
  * head are prefetched one row per row read (K in the score pass, V in the V pass), spread
- * through the loop: measured here (Zen 3) a burst of a block's 64 prefetches was slower than
- * none, a row at a time 20-30% faster. */
+ * through the loop: on Zen 3 a burst of a block's 64 prefetches (the AVX-512 kernel's way) was
+ * slower than none, a row at a time faster than both (docs/BENCHMARKS.md, "Decode attention
+ * on AVX2"). */
 
 /* r[t] = the sum of v[t]'s 8 lanes, t = 0..7: a tree of hadds, the same order for every t. */
 static inline __m256 sum8(const __m256 *v) {
