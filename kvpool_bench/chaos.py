@@ -587,7 +587,7 @@ def summarize(outs: list[Outcome], phases: dict[str, tuple[float, float]], fault
     # The leak rule needs a run that outlives its baseline by as long again.
     end_t = rss[-1]["t_s"] if rss else 0.0
     growth = rss_growth(rss, args.rss_baseline) if end_t >= 2 * args.rss_baseline else {}
-    by_age = rss_by_age(rss, args.rss_baseline) if growth else {"lived": [], "restarted": {}}
+    by_age = rss_by_age(rss if growth else [], args.rss_baseline)
     index_ok = all(all(c["pool_blocks"] == c["index_blocks"] for c in checks) and checks for checks in index.values())
     checks = {
         "no wrong answers": all(o.correct is not False for o in answered) and all(o.correct is not None for o in answered),
@@ -641,7 +641,7 @@ def print_summary(s: dict) -> None:
         for n, g in s["rss_growth"].items():
             print(f"  {n:<8} {g['end'] / mib:6.0f} / {g['base'] / mib:6.0f} at {g['base_t_s']:.0f} s = {g['ratio']:.3f}"
                   f" (started again {g['restarts']} times since)")
-    by_age = s.get("rss_by_age", {"lived": [], "restarted": {}})
+    by_age = s.get("rss_by_age") or rss_by_age([], 0.0)  # a summary written before the rule
     if by_age["lived"]:
         print("RSS at the end of each process that ran twice --rss-baseline / at that age (MiB):")
         for g in by_age["lived"]:
