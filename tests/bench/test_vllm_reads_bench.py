@@ -22,9 +22,10 @@ def test_every_offered_block_loads_under_contention_and_stalls(tmp_path: Path) -
         [sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "vllm-reads",
          "--configs", f"{defaults.progress_timeout_s}/{defaults.transfer_timeout_s}", "--rounds", "6",
          "--stall-every", "2", "--stall-s", "3", "--burners", "2", "--busy-clients", "1",
-         # A lookup past its deadline offers nothing (by design): 5 s keeps what is offered
-         # independent of how loaded the machine is (0.1 s offered 17 of 24 under two test runs).
-         "--lookup-deadline-s", "5", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+         # A lookup past its deadline offers nothing (by design): a deadline no loaded machine
+         # reaches keeps what is offered independent of its speed (0.1 s offered 17 of 24 under
+         # two test runs; B looks up by RPC, kvpool_bench/vllm_reads.py says why).
+         "--lookup-deadline-s", "30", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     (result,) = json.loads((tmp_path / "result.json").read_text())
     assert result["offered"] >= 6 * 4 - 4, result
