@@ -87,9 +87,8 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
     model = export_model()
     # B asks the metaserver (lookup_view false), not its node-local view of the index: the
     # round waits until A's publishes are acknowledged, and a view that a push has not reached
-    # yet would offer fewer blocks (a CI run offered 19 where 20 were due). What reads do under
-    # contention is what this bench measures, not how fast the view follows (metaserver/view.py;
-    # tests/metaserver/test_view.py).
+    # yet would offer fewer blocks. What reads do under contention is what this bench measures,
+    # not how fast the view follows (metaserver/view.py; tests/metaserver/test_view.py).
     extra = {"progress_timeout_s": progress_s, "transfer_timeout_s": transfer_s, "lookup_view": False}
     if args.lookup_deadline_s > 0:  # and a lookup's RPC may take as long as the lookup may
         extra.update(lookup_deadline_s=args.lookup_deadline_s, query_timeout_s=args.lookup_deadline_s)
