@@ -3,7 +3,8 @@
 It runs for float32 caches with head_dim 64 (the model's) on CPUs with AVX-512 or AVX2 with FMA;
 the shapes here cut its query tiles (8 rows with AVX-512, 6 with AVX2) and 32-key tiles at every
 kind of edge, with history (chunked prefill) and without, NaN in every cache slot outside the
-contexts (never to be read), and GQA groups of 3 and 1.
+contexts (never to be read), and GQA groups of 3, 1 and 5 (more query heads than a work item
+takes: paged_prefill.c's MAX_GROUP).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def check(q, cache, meta, atol: float = 2e-5) -> None:  # noqa: ANN001
         assert err <= atol, f"layer {layer}: max error {err}"
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (10, 2)])
 def test_prefills_and_chunks_match_sdpa(monkeypatch, heads: int, kv_heads: int) -> None:
     specs = [(1, 1), (7, 7), (8, 8), (9, 9), (31, 31), (32, 32), (33, 33), (100, 100), (130, 130),
              (5, 40), (16, 48), (1, 77), (33, 200), (64, 64 + 15)]

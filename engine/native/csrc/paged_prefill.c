@@ -31,15 +31,18 @@
  * out_stride, head h at h*head_dim. head_dim must be 64 (returns 0 without writing otherwise,
  * or where the compiler has neither AVX-512 nor AVX2 with FMA: the caller then uses SDPA);
  * returns 1 when done.
- * Threads: torch's OpenMP runtime, work items (query head, query tile) scheduled dynamically
- * (causal tiles differ in length).
+ * Threads: torch's OpenMP runtime, work items (query tile, the query heads of one KV head)
+ * scheduled dynamically (causal tiles differ in length); the AVX2 kernel walks the key tiles
+ * once for all the item's heads (`attend_group`).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define HD 64
 #define KT 32   /* keys per tile */
+#define MAX_GROUP 4  /* query heads of one KV head an item takes at most */
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include "simd.h"
@@ -178,6 +181,14 @@ static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t ou
     }
 }
 
+/* Query heads hq0 .. hq0+ng-1 of one KV head on one query tile, one head after the other. */
+static void attend_group(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
+                         const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq0, int ng,
+                         float scale) {
+    for (int g = 0; g < ng; g++)
+        attend_tile(q, q_stride, out, out_stride, kt_head, vt_head, first_pos, q0, m, hq0 + g, scale);
+}
+
 #else  /* AVX2 with FMA */
 #define QT 6    /* query rows per tile */
 
@@ -205,82 +216,99 @@ static inline __attribute__((always_inline)) void pv6(const float *p, const floa
     }
 }
 
-/* One (query head, query tile), as the AVX-512 attend_tile, on 8-float vectors. */
-static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
-                        const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
-    float qa[QT][HD] __attribute__((aligned(32)));
-    float o[QT][HD] __attribute__((aligned(32)));
-    float sc[QT][KT] __attribute__((aligned(32)));  /* a key tile's scores, then its probabilities */
-    float lv[QT][8] __attribute__((aligned(32)));   /* per-row sums, 8 lanes, summed at the end */
-    float mx[8] __attribute__((aligned(32))) = {0}, nmx[8] __attribute__((aligned(32))) = {0};
-    float alpha[8] __attribute__((aligned(32)));
-    int64_t pos[QT];
-    const int64_t last = load_queries(q, q_stride, q0, m, QT, hq, scale, first_pos, qa, pos, mx);
-    memset(o, 0, sizeof(o));
-    memset(lv, 0, sizeof(lv));
+/* One query head's running state over a query tile's key tiles (AVX2). */
+struct head_state {
+    float qa[QT][HD];   /* the tile's queries, scaled */
+    float o[QT][HD];    /* weighted V, not yet divided by the sums */
+    float lv[QT][8];    /* per-row sums, 8 lanes, summed at the end */
+    float mx[8], nmx[8], alpha[8];
+} __attribute__((aligned(32)));
+
+/* One key tile (kt / vt packed, keys k0 = tile * KT on) folded into head st's rows. */
+static inline __attribute__((always_inline)) void fold_tile(struct head_state *st, const float *kt,
+                                                            const float *vt, int64_t tile, const int64_t *pos,
+                                                            int64_t last) {
+    float sc[QT][KT] __attribute__((aligned(32)));  /* the tile's scores, then its probabilities */
     const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 lo = _mm256_set1_ps(-3.0e38f);
-    for (int64_t tile = 0; tile * KT <= last; tile++) {
-        const float *kt = kt_head + tile * (HD * KT);
-        for (int h = 0; h < KT; h += 16) {
-            __m256 s0[QT], s1[QT];
-            for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm256_setzero_ps();
-            for (int d = 0; d < HD; d++) {
-                const __m256 b0 = _mm256_load_ps(kt + d * KT + h), b1 = _mm256_load_ps(kt + d * KT + h + 8);
-                for (int i = 0; i < QT; i++) {
-                    const __m256 a = _mm256_broadcast_ss(&qa[i][d]);
-                    s0[i] = _mm256_fmadd_ps(a, b0, s0[i]);
-                    s1[i] = _mm256_fmadd_ps(a, b1, s1[i]);
-                }
-            }
+    for (int h = 0; h < KT; h += 16) {
+        __m256 s0[QT], s1[QT];
+        for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm256_setzero_ps();
+        for (int d = 0; d < HD; d++) {
+            const __m256 b0 = _mm256_load_ps(kt + d * KT + h), b1 = _mm256_load_ps(kt + d * KT + h + 8);
             for (int i = 0; i < QT; i++) {
-                _mm256_store_ps(sc[i] + h, s0[i]);
-                _mm256_store_ps(sc[i] + h + 8, s1[i]);
+                const __m256 a = _mm256_broadcast_ss(&st->qa[i][d]);
+                s0[i] = _mm256_fmadd_ps(a, b0, s0[i]);
+                s1[i] = _mm256_fmadd_ps(a, b1, s1[i]);
             }
         }
-        const int64_t k0 = tile * KT;
-        /* Keys past a row's position are masked (all ones: every row sees the whole tile) */
-        __m256 mk[QT][4];
-        const int whole = k0 + KT - 1 <= pos[0];
         for (int i = 0; i < QT; i++) {
-            __m256 s[4];
-            const __m256 lim = _mm256_set1_ps((float)pos[i]);
-            for (int c = 0; c < 4; c++) {
-                s[c] = _mm256_load_ps(sc[i] + c * 8);
-                if (whole) {
-                    mk[i][c] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-                } else {
-                    const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps((float)(k0 + c * 8)));
-                    mk[i][c] = _mm256_cmp_ps(key, lim, _CMP_LE_OQ);
-                    s[c] = _mm256_blendv_ps(lo, s[c], mk[i][c]);
-                    _mm256_store_ps(sc[i] + c * 8, s[c]);
-                }
-            }
-            const float tmax = hmax256(_mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3])));
-            nmx[i] = tmax > mx[i] ? tmax : mx[i];
+            _mm256_store_ps(sc[i] + h, s0[i]);
+            _mm256_store_ps(sc[i] + h + 8, s1[i]);
         }
-        /* the 6 rows' rescale factors exp(old max - new max) in one exp */
-        _mm256_store_ps(alpha, exp256(_mm256_sub_ps(_mm256_load_ps(mx), _mm256_load_ps(nmx))));
-        for (int i = 0; i < QT; i++) {
-            mx[i] = nmx[i];
-            const __m256 nmv = _mm256_set1_ps(nmx[i]);
-            __m256 e[4];
-            for (int c = 0; c < 4; c++) {
-                e[c] = _mm256_and_ps(mk[i][c], exp256(_mm256_sub_ps(_mm256_load_ps(sc[i] + c * 8), nmv)));
-                _mm256_store_ps(sc[i] + c * 8, e[c]);
+    }
+    const int64_t k0 = tile * KT;
+    /* Keys past a row's position are masked (all ones: every row sees the whole tile) */
+    __m256 mk[QT][4];
+    const int whole = k0 + KT - 1 <= pos[0];
+    for (int i = 0; i < QT; i++) {
+        __m256 s[4];
+        const __m256 lim = _mm256_set1_ps((float)pos[i]);
+        for (int c = 0; c < 4; c++) {
+            s[c] = _mm256_load_ps(sc[i] + c * 8);
+            if (whole) {
+                mk[i][c] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            } else {
+                const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps((float)(k0 + c * 8)));
+                mk[i][c] = _mm256_cmp_ps(key, lim, _CMP_LE_OQ);
+                s[c] = _mm256_blendv_ps(lo, s[c], mk[i][c]);
+                _mm256_store_ps(sc[i] + c * 8, s[c]);
             }
-            const __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
-            _mm256_store_ps(lv[i], _mm256_fmadd_ps(_mm256_load_ps(lv[i]), _mm256_set1_ps(alpha[i]), sum));
         }
-        const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
-        const float *vt = vt_head + tile * (KT * HD);
-        for (int c = 0; c < 4; c++) pv6(sc[0], vt, nk, o[0], alpha, c);
+        const float tmax = hmax256(_mm256_max_ps(_mm256_max_ps(s[0], s[1]), _mm256_max_ps(s[2], s[3])));
+        st->nmx[i] = tmax > st->mx[i] ? tmax : st->mx[i];
     }
-    for (int i = 0; i < m; i++) {
-        const __m256 inv = _mm256_set1_ps(1.f / hsum256(_mm256_load_ps(lv[i])));
-        float *dst = out + (q0 + i) * out_stride + hq * HD;
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_load_ps(o[i] + c * 8), inv));
+    /* the 6 rows' rescale factors exp(old max - new max) in one exp */
+    _mm256_store_ps(st->alpha, exp256(_mm256_sub_ps(_mm256_load_ps(st->mx), _mm256_load_ps(st->nmx))));
+    for (int i = 0; i < QT; i++) {
+        st->mx[i] = st->nmx[i];
+        const __m256 nmv = _mm256_set1_ps(st->nmx[i]);
+        __m256 e[4];
+        for (int c = 0; c < 4; c++) {
+            e[c] = _mm256_and_ps(mk[i][c], exp256(_mm256_sub_ps(_mm256_load_ps(sc[i] + c * 8), nmv)));
+            _mm256_store_ps(sc[i] + c * 8, e[c]);
+        }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
+        _mm256_store_ps(st->lv[i], _mm256_fmadd_ps(_mm256_load_ps(st->lv[i]), _mm256_set1_ps(st->alpha[i]), sum));
     }
+    const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
+    for (int c = 0; c < 4; c++) pv6(sc[0], vt, nk, st->o[0], st->alpha, c);
+}
+
+/* Query heads hq0 .. hq0+ng-1 (ng <= MAX_GROUP, all of one KV head) on one query tile, as the
+ * AVX-512 attend_tile per head, on 8-float vectors. The heads take each key tile in turn, so
+ * a tile is read from memory once for all of them and then from L1 (one head after the other
+ * over the whole context re-read it from L3: the packed K/V of a long context outgrow L2).
+ * Each head's arithmetic is the same as alone. */
+static void attend_group(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
+                         const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq0, int ng,
+                         float scale) {
+    struct head_state st[MAX_GROUP];
+    int64_t pos[QT], last = 0;
+    for (int g = 0; g < ng; g++) {
+        memset(&st[g], 0, sizeof st[g]);
+        last = load_queries(q, q_stride, q0, m, QT, hq0 + g, scale, first_pos, st[g].qa, pos, st[g].mx);
+    }
+    for (int64_t tile = 0; tile * KT <= last; tile++)
+        for (int g = 0; g < ng; g++)
+            fold_tile(&st[g], kt_head + tile * (HD * KT), vt_head + tile * (KT * HD), tile, pos, last);
+    for (int g = 0; g < ng; g++)
+        for (int i = 0; i < m; i++) {
+            const __m256 inv = _mm256_set1_ps(1.f / hsum256(_mm256_load_ps(st[g].lv[i])));
+            float *dst = out + (q0 + i) * out_stride + (hq0 + g) * HD;
+            for (int c = 0; c < 8; c++)
+                _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_load_ps(st[g].o[i] + c * 8), inv));
+        }
 }
 
 #endif
@@ -295,7 +323,11 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
     float *kt = aligned_alloc(64, 2 * packed * sizeof(float)), *vt = kt + packed;
     if (!kt) return 0;
     const float *kbase = base + layer_offset;
-    const int64_t qtiles = (num_query + QT - 1) / QT, heads = kvh * group, first_pos = ctx - num_query;
+    const int64_t qtiles = (num_query + QT - 1) / QT, first_pos = ctx - num_query;
+    /* a work item: one query tile of `per` query heads of one KV head (all of the group where
+     * that leaves items enough to keep every thread busy, else one head each) */
+    const int64_t per = kvh * qtiles >= 4 * omp_get_max_threads() ? (group < MAX_GROUP ? group : MAX_GROUP) : 1;
+    const int64_t slices = (group + per - 1) / per, items = qtiles * kvh * slices;
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
@@ -304,12 +336,13 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
                       token_stride, block_size, ctx, w % tiles, kt + w * (HD * KT), vt + w * (HD * KT));
         /* longest tiles first (the last query tiles): dynamic scheduling then balances the rest */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < heads * qtiles; w++) {
-            const int64_t t = qtiles - 1 - w / heads, hq = w % heads;
+        for (int64_t w = 0; w < items; w++) {
+            const int64_t t = qtiles - 1 - w / (kvh * slices), r = w % (kvh * slices);
+            const int64_t h = r / slices, hq0 = h * group + r % slices * per;
             const int64_t q0 = t * QT;
             const int m = (int)(num_query - q0 < QT ? num_query - q0 : QT);
-            attend_tile(q, q_stride, out, out_stride, kt + (hq / group) * tiles * (HD * KT),
-                        vt + (hq / group) * tiles * (HD * KT), first_pos, q0, m, hq, scale);
+            attend_group(q, q_stride, out, out_stride, kt + h * tiles * (HD * KT), vt + h * tiles * (HD * KT),
+                         first_pos, q0, m, hq0, (int)(group - hq0 % group < per ? group - hq0 % group : per), scale);
         }
     }
     free(kt);
