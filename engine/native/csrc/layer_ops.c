@@ -92,8 +92,8 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
  * broadcast, into block_rows x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
  * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
- * Work items are (CHUNK_ROWS rows, panel) pairs, chunk-major, cut into one contiguous range per
- * OpenMP thread: a decode batch (one chunk) gives each thread whole panels, each streaming its
+ * Work items are (chunk of rows, panel) pairs, chunk-major (chunks of equal size, at most
+ * CHUNK_ROWS rows), cut into one contiguous range per OpenMP thread: a decode batch (one chunk) gives each thread whole panels, each streaming its
  * own part of Wp; a prefill pass gives each thread chunks of rows that stay in its L2 while the
  * panels stream past (a row re-read per panel from L3 otherwise: 1-3% slower at 2,048 rows).
  * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL.
@@ -230,9 +230,10 @@ static inline __attribute__((always_inline)) void panel_rows(
  * Haswell-style 6x16 block. Out rows are out_stride apart; 16 raw sums each. A half panel is
  * read as one 64-byte line every 128 bytes, a stride the hardware prefetchers follow late
  * (profiled on Zen 3: the weight loads were the hot spot), so the line HALF_PREFETCH rows of k
- * ahead is prefetched (faster there with the weights coming from memory, as they do in a
- * forward pass: docs/BENCHMARKS.md, "Decode attention on AVX2, the half panel's prefetch"). */
-#define HALF_PREFETCH 16
+ * ahead is prefetched: 8 KiB, about a memory read's latency at the block's pace (faster there
+ * with the weights coming from memory, as they do in a forward pass; 16 rows ahead fell short
+ * at decode batch sizes: docs/BENCHMARKS.md, "Prefill attention by KV head, a longer prefetch"). */
+#define HALF_PREFETCH 64
 static inline __attribute__((always_inline)) void half_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,
         int64_t out_stride) {
@@ -289,12 +290,15 @@ static inline __attribute__((always_inline)) void gemm(
         int64_t y_stride, const int gated, const int br) {
     const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t items = panels * chunks, y_cols = gated ? PANEL / 2 : PANEL;
+    /* the rows cut into chunks of equal size (a multiple of 6 rows, the AVX2 block), so the
+     * threads' equal shares of items are equal shares of the work */
+    const int64_t chunk_rows = ((m + chunks - 1) / chunks + 5) / 6 * 6;
     #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) {
-            const int64_t p = i % panels, r0 = i / panels * CHUNK_ROWS;
-            const int64_t r1 = r0 + CHUNK_ROWS < m ? r0 + CHUNK_ROWS : m;
+            const int64_t p = i % panels, r0 = i / panels * chunk_rows;
+            const int64_t r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
 #ifndef __AVX512F__
             if (br == 6) {
                 half_rows(Wp + p * in_dim * PANEL, in_dim, X, x_stride, r0, r1, Y + p * y_cols, y_stride, gated);
