@@ -232,7 +232,8 @@ static inline __attribute__((always_inline)) void panel_rows(
  * (profiled on Zen 3: the weight loads were the hot spot), so the line HALF_PREFETCH rows of k
  * ahead is prefetched: 8 KiB, about a memory read's latency at the block's pace (faster there
  * with the weights coming from memory, as they do in a forward pass; 16 rows ahead fell short
- * at decode batch sizes: docs/BENCHMARKS.md, "Prefill attention by KV head, a longer prefetch"). */
+ * at decode batch sizes: docs/BENCHMARKS.md, "Prefill attention by KV head, decode attention
+ * by sequence"). */
 #define HALF_PREFETCH 64
 static inline __attribute__((always_inline)) void half_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,

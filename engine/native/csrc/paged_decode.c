@@ -10,8 +10,9 @@
  *   base + b * block_stride + L * layer_stride + t * token_stride + h * head_dim + d,
  * and V is `v_offset` elements further. All strides are in elements (float32).
  * q: [tokens, heads, head_dim] with row stride q_stride; out: [tokens, heads, head_dim] contiguous.
- * Work items (sequence, KV head) are spread over the OpenMP threads (torch's own runtime: the
- * library is loaded into a process that already holds torch's libgomp).
+ * Work items (sequence, KV head), or whole sequences (the AVX2 kernel, given many), are spread
+ * over the OpenMP threads (torch's own runtime: the library is loaded into a process that
+ * already holds torch's libgomp).
  *
  * Two implementations of one item: `attend_g3` in intrinsics (AVX-512, or AVX2 with FMA) for
  * groups of 3 query heads, head_dim 64 and 16-token blocks (SmolLM2-135M's shapes with the
@@ -19,12 +20,14 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
+#define MAX_KV_HEADS 4  /* KV heads one AVX2 work item takes at most */
 
 /* One (sequence, KV head). Inlined into callers with constant head_dim / group, so the common
  * shapes get fixed trip counts (unrolled, vectorized loops); exp is libmvec's vector expf
@@ -367,15 +370,28 @@ static inline __attribute__((always_inline)) void weigh_half(float *acc, const f
         for (int c = 0; c < 4; c++) _mm256_store_ps(acc + g * 64 + half * 32 + c * 8, a[g][c]);
 }
 
+/* nh (1..MAX_KV_HEADS) KV heads of one sequence, each as the AVX-512 attend_g3: KV head h's K
+ * at kbase + h * 64, its 3 queries at qs + h * 192, its outputs at o + h * 192. The heads take
+ * each block in turn, so a block's token rows (all KV heads side by side) are read whole, while
+ * they are in one DRAM page: one head alone reads 256 of every 768 bytes, and a summing loop
+ * over the cache that way streamed two thirds as fast as over whole rows (docs/BENCHMARKS.md,
+ * "Prefill attention by KV head, decode attention by sequence"). Each head's arithmetic is the
+ * same whatever nh. */
 static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
-                      const int64_t *table, int64_t ctx, const float *qs, float *o, float scale) {
-    float q[3 * 64] __attribute__((aligned(32))), acc[3 * 64] __attribute__((aligned(32)));
-    for (int d = 0; d < 3 * 64; d++) {
-        q[d] = qs[d] * scale;
-        acc[d] = 0.f;
+                      const int64_t *table, int64_t ctx, const float *qs, float *o, float scale, int nh) {
+    float q[MAX_KV_HEADS][3 * 64] __attribute__((aligned(32))), acc[MAX_KV_HEADS][3 * 64] __attribute__((aligned(32)));
+    float mx[MAX_KV_HEADS][3], l[MAX_KV_HEADS][3];
+    float sc[MAX_KV_HEADS][3][CHUNK_BLOCKS * 16] __attribute__((aligned(32)));
+    for (int h = 0; h < nh; h++) {
+        for (int d = 0; d < 3 * 64; d++) {
+            q[h][d] = qs[h * 192 + d] * scale;
+            acc[h][d] = 0.f;
+        }
+        for (int g = 0; g < 3; g++) {
+            mx[h][g] = -3.0e38f;
+            l[h][g] = 0.f;
+        }
     }
-    float mx[3] = {-3.0e38f, -3.0e38f, -3.0e38f}, l[3] = {0.f, 0.f, 0.f};
-    float sc[3][CHUNK_BLOCKS * 16] __attribute__((aligned(32)));
     const int64_t nblocks = (ctx + 15) / 16;
     for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
         const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
@@ -383,26 +399,35 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
         for (int64_t jj = 0; jj < nb; jj++) {
             const int64_t j = j0 + jj;
             const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
-            score_block8(q, kbase + table[j] * block_stride, token_stride, n, sc[0] + jj * 16, sc[1] + jj * 16,
-                         sc[2] + jj * 16, j + 1 < nblocks ? kbase + table[j + 1] * block_stride : NULL);
+            const float *kb = kbase + table[j] * block_stride;
+            const float *next = j + 1 < nblocks ? kbase + table[j + 1] * block_stride : NULL;
+            for (int h = 0; h < nh; h++)
+                score_block8(q[h], kb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
+                             sc[h][2] + jj * 16, next ? next + h * 64 : NULL);
         }
-        for (int g = 0; g < 3; g++) {
-            const __m256 c = _mm256_set1_ps(softmax_chunk8(sc[g], nt, &mx[g], &l[g]));
-            for (int d = 0; d < 64; d += 8) _mm256_store_ps(acc + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc + g * 64 + d), c));
-        }
+        for (int h = 0; h < nh; h++)
+            for (int g = 0; g < 3; g++) {
+                const __m256 c = _mm256_set1_ps(softmax_chunk8(sc[h][g], nt, &mx[h][g], &l[h][g]));
+                for (int d = 0; d < 64; d += 8)
+                    _mm256_store_ps(acc[h] + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc[h] + g * 64 + d), c));
+            }
         for (int64_t jj = 0; jj < nb; jj++) {
             const int64_t j = j0 + jj;
             const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            const float *vb = kbase + table[j] * block_stride + v_offset;
             const float *next = jj + 1 < nb ? kbase + table[j + 1] * block_stride + v_offset : NULL;
-            for (int half = 0; half < 2; half++)
-                weigh_half(acc, kbase + table[j] * block_stride + v_offset, token_stride, n, sc[0] + jj * 16,
-                           sc[1] + jj * 16, sc[2] + jj * 16, half, next);
+            for (int h = 0; h < nh; h++)
+                for (int half = 0; half < 2; half++)
+                    weigh_half(acc[h], vb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
+                               sc[h][2] + jj * 16, half, next ? next + h * 64 : NULL);
         }
     }
-    for (int g = 0; g < 3; g++) {
-        const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-        for (int d = 0; d < 64; d += 8) _mm256_storeu_ps(o + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc + g * 64 + d), inv));
-    }
+    for (int h = 0; h < nh; h++)
+        for (int g = 0; g < 3; g++) {
+            const __m256 inv = _mm256_set1_ps(1.f / l[h][g]);
+            for (int d = 0; d < 64; d += 8)
+                _mm256_storeu_ps(o + h * 192 + g * 64 + d, _mm256_mul_ps(_mm256_load_ps(acc[h] + g * 64 + d), inv));
+        }
 }
 #endif
 
@@ -419,9 +444,18 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
 #ifdef __AVX512F__
     const __m512i order = sum_order();
 #endif
+    /* KV heads per item: all of a sequence's for the AVX2 kernel where the sequences alone keep
+     * the threads busy (attend_g3 reads its blocks' rows whole; fewer, unequal sequences left a
+     * thread idle), else one */
+    int64_t per = 1;
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (group == 3 && head_dim == 64 && block_size == 16 && num_kv_heads <= MAX_KV_HEADS &&
+        num_seqs >= 8 * omp_get_max_threads())
+        per = num_kv_heads;
+#endif
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
+    for (int64_t item = 0; item < num_seqs * num_kv_heads / per; item++) {
+        const int64_t s = item * per / num_kv_heads, h = item * per % num_kv_heads;
         const int64_t ctx = ctx_lens[s];
         const int64_t *table = tables + table_starts[s];
         const float *qs = q + rows[s] * q_stride + h * group * head_dim;
@@ -435,7 +469,7 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
 #elif defined(__AVX2__) && defined(__FMA__)
         if (group == 3 && head_dim == 64 && block_size == 16) {
             attend_g3(base + layer_offset + h * head_dim, v_offset, block_stride, token_stride, table, ctx, qs, o,
-                      scale);
+                      scale, (int)per);
             continue;
         }
 #else
