@@ -93,9 +93,10 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
  * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
  * Work items are (chunk of rows, panel) pairs, chunk-major (chunks of equal size, at most
- * CHUNK_ROWS rows), cut into one contiguous range per OpenMP thread: a decode batch (one chunk) gives each thread whole panels, each streaming its
- * own part of Wp; a prefill pass gives each thread chunks of rows that stay in its L2 while the
- * panels stream past (a row re-read per panel from L3 otherwise: 1-3% slower at 2,048 rows).
+ * CHUNK_ROWS rows), cut into one contiguous range per OpenMP thread: a decode batch (one chunk)
+ * gives each thread whole panels, each streaming its own part of Wp; a prefill pass gives each
+ * thread chunks of rows that stay in its L2 while the panels stream past (a row re-read per
+ * panel from L3 otherwise: 1-3% slower at 2,048 rows).
  * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL.
  * block_rows (one of BLOCK_ROWS; any other: the first) is how many rows a micro-kernel call
  * takes. With AVX-512 (32 registers of 16 floats) 8 rows take 16 accumulators, as the kernel was

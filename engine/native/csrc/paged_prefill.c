@@ -338,11 +338,11 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             const int64_t t = qtiles - 1 - w / (kvh * slices), r = w % (kvh * slices);
-            const int64_t h = r / slices, hq0 = h * group + r % slices * per;
+            const int64_t h = r / slices, first = r % slices * per;  /* KV head, its first query head here */
             const int64_t q0 = t * QT;
             const int m = (int)(num_query - q0 < QT ? num_query - q0 : QT);
             attend_group(q, q_stride, out, out_stride, kt + h * tiles * (HD * KT), vt + h * tiles * (HD * KT),
-                         first_pos, q0, m, hq0, (int)(group - hq0 % group < per ? group - hq0 % group : per), scale);
+                         first_pos, q0, m, h * group + first, (int)(group - first < per ? group - first : per), scale);
         }
     }
     free(kt);
