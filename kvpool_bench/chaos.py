@@ -471,16 +471,22 @@ class RssSampler:
         self.sample()
 
 
+REFERENCE_KV_CACHE = "512MiB"
+
+
 def references(outcomes: list[Outcome], run_dir: Path, model: str, engine_args: tuple[str, ...]) -> None:
     """Set `correct` on each answered outcome: its output against a connector-off node's
     greedy answer for the same prompt (prompts sent in start order: the node's own prefix
-    cache makes later rounds cheap)."""
+    cache makes later rounds cheap). The node runs the nodes' `engine_args` (their kernels)
+    with a KV cache of REFERENCE_KV_CACHE: room for every conversation in flight, where the
+    nodes' small caches are part of the test and would make it recompute each round."""
     from kvpool_harness.engine_node import EngineProcess
 
     answered = sorted((o for o in outcomes if o.answered), key=lambda o: o.start_s)
     prompts = list(dict.fromkeys(o.prompt for o in answered))
     max_tokens = max((len(o.output) for o in answered), default=1)
-    with EngineProcess(run_dir / "reference.log", "reference", extra_args=engine_args, model=model,
+    args = (*engine_args, "--kv-cache-bytes", REFERENCE_KV_CACHE)  # the last of a repeated flag counts
+    with EngineProcess(run_dir / "reference.log", "reference", extra_args=args, model=model,
                        env={"OMP_WAIT_POLICY": "PASSIVE"}) as ref:
         def one(p: tuple[int, ...]) -> tuple[int, ...]:
             req = BenchRequest("ref", p, max_tokens)
