@@ -358,6 +358,7 @@ class Outcome:
     hit_tokens: int = 0
     errors: list[str] = field(default_factory=list)   # the first few failed attempts'
     correct: bool | None = None
+    conversation: int = 0                              # the n-th conversation a client took
     prompt: tuple[int, ...] = field(default=(), repr=False)
     output: tuple[int, ...] = field(default=(), repr=False)
 
@@ -396,6 +397,7 @@ class Clients:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.outcomes: list[Outcome] = []
+        self._taken = 0
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
         for t in self._threads:
             t.start()
@@ -404,10 +406,13 @@ class Clients:
         while not self._stop.is_set():
             with self._lock:
                 conv = next(self._convs)
+                self._taken += 1
+                n = self._taken
             for req in conv:
                 if self._stop.is_set():
                     return
                 o = send(self.url, req, self.t0, self.bound_s, self.attempt_timeout_s)
+                o.conversation = n
                 with self._lock:
                     self.outcomes.append(o)
 
@@ -471,32 +476,47 @@ class RssSampler:
         self.sample()
 
 
-REFERENCE_KV_CACHE = "512MiB"
+REFERENCES = 2  # reference nodes, each with the nodes' flags (--threads 1): one per core
 
 
 def references(outcomes: list[Outcome], run_dir: Path, model: str, engine_args: tuple[str, ...]) -> None:
     """Set `correct` on each answered outcome: its output against a connector-off node's
-    greedy answer for the same prompt (prompts sent in start order: the node's own prefix
-    cache makes later rounds cheap). The node runs the nodes' `engine_args` (their kernels)
-    with a KV cache of REFERENCE_KV_CACHE: room for every conversation in flight, where the
-    nodes' small caches are part of the test and would make it recompute each round."""
+    greedy answer for the same prompt. REFERENCES such nodes share the work, each taking
+    whole conversations, their prompts in start order (a node's own prefix cache makes a
+    conversation's later rounds cheap); each node answers alone, with the nodes' flags."""
     from kvpool_harness.engine_node import EngineProcess
 
     answered = sorted((o for o in outcomes if o.answered), key=lambda o: o.start_s)
-    prompts = list(dict.fromkeys(o.prompt for o in answered))
     max_tokens = max((len(o.output) for o in answered), default=1)
-    args = (*engine_args, "--kv-cache-bytes", REFERENCE_KV_CACHE)  # the last of a repeated flag counts
-    with EngineProcess(run_dir / "reference.log", "reference", extra_args=args, model=model,
-                       env={"OMP_WAIT_POLICY": "PASSIVE"}) as ref:
-        def one(p: tuple[int, ...]) -> tuple[int, ...]:
+    shares = [list(dict.fromkeys(o.prompt for o in answered if o.conversation % REFERENCES == k))
+              for k in range(REFERENCES)]
+    nodes = [EngineProcess(run_dir / f"reference-{k}.log", f"reference-{k}", extra_args=engine_args, model=model,
+                           env={"OMP_WAIT_POLICY": "PASSIVE"}) for k in range(REFERENCES)]
+    refs: dict[tuple[int, ...], tuple[int, ...]] = {}
+    try:
+        for node in nodes:
+            node.start()
+        for node in nodes:
+            node.wait_ready()
+
+        def one(url: str, p: tuple[int, ...]) -> tuple[int, ...]:
             req = BenchRequest("ref", p, max_tokens)
             for _ in range(3):
-                r = stream_completion(ref.url, req, 0, timeout_s=120)
+                r = stream_completion(url, req, 0, timeout_s=120)
                 if not r.error:
                     return r.output_ids
             raise RuntimeError(f"the reference node failed: {r.error}")
-        with ThreadPoolExecutor(2) as ex:
-            refs = dict(zip(prompts, ex.map(one, prompts)))
+        pools = [ThreadPoolExecutor(2) for _ in nodes]  # two requests in flight at each node
+        try:
+            futures = {p: pool.submit(one, node.url, p) for node, pool, share in zip(nodes, pools, shares)
+                       for p in share}
+            refs = {p: f.result() for p, f in futures.items()}
+        finally:
+            for pool in pools:
+                pool.shutdown(cancel_futures=True)
+    finally:
+        for node in nodes:
+            node.stop()
     for o in answered:
         o.correct = o.output == refs[o.prompt]
 
