@@ -34,7 +34,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernel_tags import TAG_PREFIX, is_kernel_tag  # noqa: F401  (is_kernel_tag: kept importable here)
 from engine.model_config import ModelConfig
 from engine.native import build
 
@@ -284,10 +284,6 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
     return out
 
 
-TAG_PREFIX = "|onednn:"
-# What may follow a model's layout in a CPU engine's fingerprint: the CPU's vector ISA where it
-# is not AVX-512 (`isa_tag`), then the linears that run on oneDNN (`tag`).
-KERNEL_TAG = re.compile(r"(\|isa:[a-z0-9_]+)?(\|onednn:[a-z_]+(,[a-z_]+)*)?")
 
 
 def tag(choices: dict[str, Choice]) -> str:
@@ -305,8 +301,3 @@ def isa_tag(flags: str | None = None) -> str:
     words = set((flags if flags is not None else build.cpu_flags()).split())
     return "" if "avx512f" in words else "|isa:avx2" if {"avx2", "fma"} <= words else "|isa:base"
 
-
-def is_kernel_tag(suffix: str) -> bool:
-    """Whether `suffix` (what follows a model's layout in a fingerprint) is a CPU engine's
-    kernel tags (`isa_tag`, then `tag`), and nothing else."""
-    return KERNEL_TAG.fullmatch(suffix) is not None

@@ -99,8 +99,8 @@ def command_word(argv: list[str]) -> str | None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser for `argv`: every command (`argv` None), or only a LIGHT command when
-    `argv` names one."""
+    """The parser for `argv`: every command (`argv` None or naming none), or only the command
+    `argv` names (with the LIGHT ones, always there)."""
     from metaserver import admin
     from metaserver import cli as metaserver_cli
 
@@ -132,12 +132,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         from kvpool_plan import cli as plan_cli
         plan_cli.add_parser(sub)
 
-    _add_or_explain(sub, ("serve", "generate"), "engine", serve)
-    _add_or_explain(sub, ("cluster",), "bench", cluster)
-    _add_or_explain(sub, ("router",), "router", router)
-    _add_or_explain(sub, ("bench",), "bench", lambda: _add_bench(sub))
-    _add_or_explain(sub, ("demo",), "bench", demo)
-    _add_or_explain(sub, ("plan",), "bench", plan)
+    groups = [(("serve", "generate"), "engine", serve), (("cluster",), "bench", cluster), (("router",), "router", router),
+              (("bench",), "bench", lambda: _add_bench(sub)), (("demo",), "bench", demo), (("plan",), "bench", plan)]
+    word = command_word(argv) if argv is not None else None
+    # A command named: its modules only (a router or `kvpool cluster status` starts without the
+    # engine's torch); none, or an unknown word: all of them, for the help and the error.
+    for names, extra, add in [g for g in groups if word in g[0]] or groups:
+        _add_or_explain(sub, names, extra, add)
     metaserver_cli.add_log_level(parser)
     return parser
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 from engine.block_pool import chain_seed, hash_blocks
-from engine.kernel_choice import is_kernel_tag
+from engine.kernel_tags import is_kernel_tag
 from engine.loader import load_model
 from engine.server.protocol import BadRequest, parse
 

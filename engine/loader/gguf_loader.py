@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.loader.common import LoadedModel, ModelLoadError
+from engine.loader.gguf_file import GGUFError, GGUFFile
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -23,21 +27,6 @@ _LAYER_NAMES = {
 }
 
 
-def _field(reader, key: str, default=None):  # noqa: ANN001, ANN202
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    import gguf
-
-    if f.types and f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode()
-    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-        if len(f.types) > 1 and f.types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-        return [f.parts[i].tolist()[0] for i in f.data]
-    return f.parts[f.data[0]].tolist()[0]
-
-
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp stores Q/K rows interleaved for its RoPE; back to the HF (half-split) order."""
     out, inp = w.shape
@@ -45,22 +34,29 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
+    if with_weights:
+        try:
+            import gguf
+        except ImportError:
+            raise ModelLoadError("reading GGUF weights needs the PyPI package gguf") from None
     try:
-        import gguf
-    except ImportError:
-        raise ModelLoadError("reading GGUF needs the PyPI package gguf") from None
-    reader = gguf.GGUFReader(str(path))
-    arch = _field(reader, "general.architecture")
+        reader = GGUFFile(path)
+    except GGUFError as err:
+        raise ModelLoadError(str(err)) from None
+    fields = reader.fields
+    arch = fields.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r} in {path} (only llama)")
     p = "llama."
-    n_head, n_kv = _field(reader, p + "attention.head_count"), _field(reader, p + "attention.head_count_kv")
-    hidden = _field(reader, p + "embedding_length")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    n_head, n_kv = fields.get(p + "attention.head_count"), fields.get(p + "attention.head_count_kv")
+    hidden = fields.get(p + "embedding_length")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
     weights: dict[str, torch.Tensor] = {}
+    if with_weights:
+        import torch  # with the weights only: a router (weights=False) runs without torch
     for t in reader.tensors if with_weights else ():
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = gguf.quants.dequantize(reader.data(t), gguf.GGMLQuantizationType(t.ggml_type)).astype(np.float32)
         name = t.name
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
@@ -84,19 +80,19 @@ def load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
         name=path.stem.split(".")[0],
         vocab_size=len(tokens),
         hidden_size=hidden,
-        intermediate_size=_field(reader, p + "feed_forward_length"),
-        num_layers=_field(reader, p + "block_count"),
+        intermediate_size=fields.get(p + "feed_forward_length"),
+        num_layers=fields.get(p + "block_count"),
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=hidden // n_head,
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=_field(reader, p + "context_length", 2048),
+        rope_theta=float(fields.get(p + "rope.freq_base", 10000.0)),
+        rms_eps=float(fields.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=fields.get(p + "context_length", 2048),
         tie_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", 1),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id", 1),
         eos_token_ids=(eos,),
     )
-    tokenizer = Tokenizer.from_gguf(tokens, _field(reader, "tokenizer.ggml.merges"),
-                                    _field(reader, "tokenizer.ggml.token_type"),
-                                    _field(reader, "tokenizer.chat_template", ""), config.bos_token_id, eos)
+    tokenizer = Tokenizer.from_gguf(tokens, fields.get("tokenizer.ggml.merges"),
+                                    fields.get("tokenizer.ggml.token_type"),
+                                    fields.get("tokenizer.chat_template", ""), config.bos_token_id, eos)
     return LoadedModel(config, weights, tokenizer, str(path))

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.loader.common import LoadedModel, ModelLoadError
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # loaded with the weights only (safetensors.torch): a router runs without torch
+    import torch
+
 
 def load_safetensors(folder: Path, with_weights: bool = True) -> LoadedModel:
     try:
         from safetensors import safe_open
-        from safetensors.torch import load_file
     except ImportError:
         raise ModelLoadError("reading safetensors needs the PyPI package safetensors") from None
     cfg = json.loads((folder / "config.json").read_text())
@@ -27,11 +28,13 @@ def load_safetensors(folder: Path, with_weights: bool = True) -> LoadedModel:
     if not (folder / "tokenizer.json").exists():
         raise ModelLoadError(f"no tokenizer.json in {folder}")
     weights: dict[str, torch.Tensor] = {}
+    if with_weights:
+        from safetensors.torch import load_file
     for f in files if with_weights else ():
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
     names = set(weights)
     for f in () if with_weights else files:  # no weights wanted: the tensors' names from the headers
-        with safe_open(str(f), "pt") as st:
+        with safe_open(str(f), "numpy") as st:
             names.update(st.keys())
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id", 2)

@@ -66,3 +66,55 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("kvpool generate: error: model") and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_our_gguf_reader_reads_what_ggufs_own_reader_reads() -> None:
+    """engine.loader.gguf_file against the gguf package's reader on the packaged model: every
+    metadata field's value, and every tensor's name, type and data (bytes and shape)."""
+    import gguf
+    import numpy as np
+
+    from engine.loader.common import resolve
+    from engine.loader.gguf_file import GGUFFile
+
+    path = resolve("smollm2-135m")
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert list(ours.fields) == keys and len(keys) > 20
+    for k in keys:
+        f = theirs.fields[k]
+        if f.types[0] == gguf.GGUFValueType.STRING:
+            want = bytes(f.parts[f.data[0]]).decode()
+        elif f.types[0] == gguf.GGUFValueType.ARRAY and f.types[1] == gguf.GGUFValueType.STRING:
+            want = [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+        elif f.types[0] == gguf.GGUFValueType.ARRAY:
+            want = [f.parts[i].tolist()[0] for i in f.data]
+        else:
+            want = f.parts[f.data[0]].tolist()[0]
+        assert ours.fields[k] == want, k
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        data = ours.data(a)
+        assert a.ggml_type == b.tensor_type and data.shape == b.data.shape and data.dtype == b.data.dtype, a.name
+        assert np.array_equal(data, b.data), a.name
+
+
+def test_a_bad_or_cut_gguf_file_is_a_one_line_error(tmp_path: Path) -> None:
+    from engine.loader.common import resolve
+
+    whole = resolve("smollm2-135m").read_bytes()[:2 << 20]
+    (tmp_path / "cut.gguf").write_bytes(whole[:100_000])       # inside the vocabulary
+    with pytest.raises(ModelLoadError, match="truncated or corrupt metadata"):
+        load_model(str(tmp_path / "cut.gguf"))
+    (tmp_path / "other.gguf").write_bytes(b"GGML" + whole[4:])
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(tmp_path / "other.gguf"))
+    (tmp_path / "v1.gguf").write_bytes(whole[:4] + (1).to_bytes(4, "little") + whole[8:])
+    with pytest.raises(ModelLoadError, match="GGUF version 1"):
+        load_model(str(tmp_path / "v1.gguf"))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model(str(tmp_path / "empty.gguf"))
+    (tmp_path / "short.gguf").write_bytes(whole)                # the header whole, the weights cut
+    with pytest.raises(ModelLoadError, match="ends past the end of the file"):
+        load_model(str(tmp_path / "short.gguf"), weights=False)
