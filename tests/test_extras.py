@@ -54,3 +54,21 @@ def test_cli_without_extras_runs_the_metaserver_and_names_the_extra() -> None:
     assert "usage: kvpool metaserver" in proc.stdout
     assert "serve rc 2" in proc.stdout
     assert "kvpool serve needs kvpool[engine]" in proc.stderr
+
+
+def test_a_router_hashes_prompts_without_torch() -> None:
+    """`kvpool router` loads the model's config and tokenizer only: with torch absent it still
+    hashes a prompt into the chain the nodes make (tests/router/test_chain.py compares them)."""
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys\nsys.modules['torch'] = None\n"
+                           "from router.chain import PromptHasher\n"
+                           "h = PromptHasher('smollm2-135m', 'smollm2-135m')\n"
+                           "print(h.expect('float32', 16))\n"
+                           "c = h.chain(b'{\"model\": \"smollm2-135m\", \"prompt\": \"' + b'the rivers of Europe ' * 9 + b'\"}', False)\n"
+                           "print(len(c.hashes), c.num_tokens)\n"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fingerprint, counts = proc.stdout.split("\n")[:2]
+    blocks, tokens = map(int, counts.split())
+    assert "|float32|" in fingerprint and "bs16" in fingerprint, fingerprint
+    assert tokens >= 32 and blocks == tokens // 16
