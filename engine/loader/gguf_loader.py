@@ -30,7 +30,7 @@ _LAYER_NAMES = {
 def dequantize(data: np.ndarray, qtype) -> np.ndarray:  # noqa: ANN001  (gguf's GGMLQuantizationType)
     """`data` (as GGUFFile.data shapes it) as float32, the numbers of `gguf.quants.dequantize`:
     a block type's blocks in one call of the type's own `dequantize_blocks` (element by element
-    the same arithmetic), where gguf's calls it on groups of 16 rows, a second per model here."""
+    the same arithmetic), where gguf's calls it on groups of 16 rows, many times slower."""
     import gguf
 
     kind = getattr(gguf.quants, qtype.name, None)
@@ -49,11 +49,10 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: Path, with_weights: bool = True) -> LoadedModel:
-    if with_weights:
-        try:
-            import gguf
-        except ImportError:
-            raise ModelLoadError("reading GGUF weights needs the PyPI package gguf") from None
+    try:
+        import gguf  # its tables of types (GGUFFile) and its dequantization
+    except ImportError:
+        raise ModelLoadError("reading GGUF needs the PyPI package gguf") from None
     try:
         reader = GGUFFile(path)
     except GGUFError as err:
