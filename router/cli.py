@@ -85,7 +85,7 @@ def _node_urls(args: argparse.Namespace) -> list[str]:
 
 
 async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
-    from engine.kernel_choice import TAG_PREFIX
+    from engine.kernel_tags import TAG_PREFIX
     from metaserver.client import MetaClient
     from metaserver.credentials import ClientSecurity
     from metaserver.view import IndexView

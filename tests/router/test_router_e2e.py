@@ -178,3 +178,15 @@ def test_a_killed_nodes_share_goes_to_the_other(cluster: dict) -> None:
     discovering = cluster["discovering"]
     wait_for(lambda: http_json(f"{discovering.url}/health")[1]["nodes"] == 1, timeout_s=60, interval_s=0.5)
     assert post(discovering.url, "/v1/completions", prompts[0])[2] == a.url
+
+
+def test_the_routers_ran_every_test_above_without_torch(cluster: dict) -> None:
+    """The router loads the model's config and tokenizer only (engine/loader: torch comes with
+    the weights): after every request of this module, neither router process has mapped
+    torch's library, so a router host needs no torch (and starts without importing it)."""
+    for router in (cluster["router"], cluster["discovering"]):
+        assert router.alive()
+        maps = open(f"/proc/{router.pid}/maps").read()
+        assert "libtorch" not in maps and "libc10" not in maps, router.log_path
+    node = cluster["nodes"][0]
+    assert "libtorch" in open(f"/proc/{node.pid}/maps").read()  # the check can see it where it is
