@@ -81,7 +81,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         }
         client = MetaClient(ms.address)
         try:
-            with running(procs, 400):
+            with running(procs, 400, later=("R",)):  # R compiles its graph: waited for in its test
                 yield {**procs, "client": client, "run": run}
         finally:
             client.close()
@@ -163,6 +163,7 @@ def test_the_readmes_vllm_command_runs_and_shares_with_the_other_nodes(cluster: 
     computed (A may be dead by now: an earlier test kills it) and answers like vLLM alone;
     no node of the same weights warns of a conflict."""
     b, r, c, client = cluster["B"], cluster["R"], cluster["C"], cluster["client"]
+    r.wait_ready(400)  # started with the others, not waited for (the fixture's `later`)
     prompt, suffix = tokens(11, 3 * BS + 20), tokens(12, 16)
     before = node_blocks(client, b.node_id)
     b.complete(prompt, 2)
