@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernel_tags import TAG_PREFIX, is_kernel_tag  # noqa: F401  (is_kernel_tag: kept importable here)
+from engine.kernel_tags import TAG_PREFIX
 from engine.model_config import ModelConfig
 from engine.native import build
 
@@ -284,8 +284,6 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
     return out
 
 
-
-
 def tag(choices: dict[str, Choice]) -> str:
     """The layout fingerprint's part for these choices: empty when every op runs the C kernel."""
     other = sorted(name for name, c in choices.items() if c.kernel != C)
@@ -300,4 +298,3 @@ def isa_tag(flags: str | None = None) -> str:
     classes keep their blocks apart, as nodes of different kernel choices do."""
     words = set((flags if flags is not None else build.cpu_flags()).split())
     return "" if "avx512f" in words else "|isa:avx2" if {"avx2", "fma"} <= words else "|isa:base"
-

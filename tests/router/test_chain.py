@@ -18,7 +18,7 @@ def test_the_served_alias_and_the_models_own_name_both_hash_and_other_names_do_n
 
 def test_a_kernel_tagged_layout_is_hashed_as_the_node_hashes_it() -> None:
     from engine.block_pool import chain_seed, hash_blocks
-    from engine.kernel_choice import TAG_PREFIX
+    from engine.kernel_tags import TAG_PREFIX
 
     hasher = PromptHasher("smollm2-135m", served_name="smollm2-135m")
     base = hasher.config.layout_fingerprint("float32", 16)

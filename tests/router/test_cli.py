@@ -93,7 +93,7 @@ def test_a_node_with_another_layout_is_refused(good: dict) -> None:
 
 
 def test_nodes_of_one_kernel_tag_are_served_and_a_node_of_another_is_refused(good: dict) -> None:
-    from engine.kernel_choice import TAG_PREFIX
+    from engine.kernel_tags import TAG_PREFIX
 
     tagged = {**good, "fingerprint": good["fingerprint"] + TAG_PREFIX + "down"}
     with LayoutNodes([tagged, good]) as nodes:
