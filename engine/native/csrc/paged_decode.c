@@ -260,11 +260,11 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
  * for the 4 keys' 12 running products (3 heads x 4 keys), and `sum8` turns 8 keys' partial
  * vectors into their 8 scores. The weighted V sum (3 x 64, 24 vectors) does not fit: a block's
  * V rows are walked once per half of the head dim (the block is in L1 by the second walk), that
- * half's 12 sums in registers. Prefetch: while a block is read, the next block's rows of this
- * head are prefetched one row per row read (K in the score pass, V in the V pass), spread
- * through the loop: on Zen 3 a burst of a block's 64 prefetches (the AVX-512 kernel's way) was
- * slower than none, a row at a time faster than both (docs/BENCHMARKS.md, "Decode attention
- * on AVX2"). */
+ * half's 12 sums in registers. Prefetch: while a block is read, the next block is prefetched a
+ * few lines per row read (K in the score pass, V in the V pass; the last block of a pass fetches
+ * the first of the next), spread through the loop: on Zen 3 a burst of a block's prefetches (the
+ * AVX-512 kernel's way) was slower than none, spread ones faster than both (docs/BENCHMARKS.md,
+ * "Decode attention on AVX2"). */
 
 /* r[t] = the sum of v[t]'s 8 lanes, t = 0..7: a tree of hadds, the same order for every t. */
 static inline __m256 sum8(const __m256 *v) {
@@ -280,9 +280,13 @@ static inline __m256 lanes_below(int64_t n) {
 }
 
 /* One block's n (1..16) keys of one KV head scored against 3 query heads (q: [3][64], scaled)
- * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). */
+ * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). Unless pf is NULL, each group
+ * of 4 keys prefetches 4 x 4 lines of the next block: group k's at pf + k * pf_group + r * pf_row
+ * (r = 0..3), which the caller points at a quarter of this head's rows or at 16 consecutive lines
+ * (attend_g3). */
 static inline __attribute__((always_inline)) void score_block8(const float *q, const float *kb, int64_t token_stride,
-                                                               int n, float *sc0, float *sc1, float *sc2, const float *pf) {
+                                                               int n, float *sc0, float *sc1, float *sc2, const float *pf,
+                                                               int64_t pf_group, int64_t pf_row) {
     float *dst[3] = {sc0, sc1, sc2};
     for (int t0 = 0; t0 < 16; t0 += 8) {
         __m256 part[3][8];
@@ -292,9 +296,9 @@ static inline __attribute__((always_inline)) void score_block8(const float *q, c
             const float *k[4];
             for (int t = 0; t < 4; t++) k[t] = t0 + t4 + t < n ? kb + (t0 + t4 + t) * token_stride : kb;
             if (pf)
-                for (int t = 0; t < 4; t++)
+                for (int r = 0; r < 4; r++)
                     for (int c = 0; c < 4; c++)
-                        _mm_prefetch((const char *)(pf + (t0 + t4 + t) * token_stride + c * 16), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(pf + (t0 + t4) / 4 * pf_group + r * pf_row + c * 16), _MM_HINT_T0);
             __m256 a[4][3];
             for (int c = 0; c < 8; c++) {
                 const __m256 q0 = _mm256_load_ps(q + c * 8), q1 = _mm256_load_ps(q + 64 + c * 8);
@@ -346,17 +350,19 @@ static inline __attribute__((always_inline)) float softmax_chunk8(float *sc, int
     return c;
 }
 
-/* acc[g][half * 32 ..][0..32) += sum over the block's n keys of p[g][t] * V[t][half * 32 ..]. */
+/* acc[g][half * 32 ..][0..32) += sum over the block's n keys of p[g][t] * V[t][half * 32 ..].
+ * Unless pf is NULL, key t prefetches the 2 lines at pf + t * pf_row of the next block. */
 static inline __attribute__((always_inline)) void weigh_half(float *acc, const float *vb, int64_t token_stride,
                                                              int n, const float *p0, const float *p1,
-                                                             const float *p2, int half, const float *pf) {
+                                                             const float *p2, int half, const float *pf,
+                                                             int64_t pf_row) {
     const float *p[3] = {p0, p1, p2};
     __m256 a[3][4];
     for (int g = 0; g < 3; g++)
         for (int c = 0; c < 4; c++) a[g][c] = _mm256_load_ps(acc + g * 64 + half * 32 + c * 8);
     for (int t = 0; t < n; t++) {
         const float *v = vb + t * token_stride + half * 32;
-        if (pf) for (int c = 0; c < 2; c++) _mm_prefetch((const char *)(pf + t * token_stride + half * 32 + c * 16), _MM_HINT_T0);
+        if (pf) for (int c = 0; c < 2; c++) _mm_prefetch((const char *)(pf + t * pf_row + c * 16), _MM_HINT_T0);
         const __m256 w0 = _mm256_broadcast_ss(p[0] + t), w1 = _mm256_broadcast_ss(p[1] + t);
         const __m256 w2 = _mm256_broadcast_ss(p[2] + t);
         for (int c = 0; c < 4; c++) {
@@ -392,6 +398,12 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
             l[h][g] = 0.f;
         }
     }
+    /* Prefetch order: with whole rows (the item holds every KV head) each call prefetches its
+     * share of the next block in address order (K: 12 groups of 16 lines, V: 6 walks of 32), so
+     * the block streams in as one run; with one head, that head's rows. Address order read faster
+     * than the same lines in the order they are used (docs/BENCHMARKS.md, "Decode attention:
+     * prefetch in address order"). */
+    const int whole = token_stride == nh * 64;
     const int64_t nblocks = (ctx + 15) / 16;
     for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
         const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
@@ -400,10 +412,12 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
             const int64_t j = j0 + jj;
             const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
             const float *kb = kbase + table[j] * block_stride;
-            const float *next = j + 1 < nblocks ? kbase + table[j + 1] * block_stride : NULL;
+            /* the chunk's last K block prefetches its first V block */
+            const float *next = kbase + (jj + 1 < nb ? table[j + 1] * block_stride : table[j0] * block_stride + v_offset);
             for (int h = 0; h < nh; h++)
                 score_block8(q[h], kb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
-                             sc[h][2] + jj * 16, next ? next + h * 64 : NULL);
+                             sc[h][2] + jj * 16, next + (whole ? h * 1024 : h * 64), whole ? 256 : 4 * token_stride,
+                             whole ? 64 : token_stride);
         }
         for (int h = 0; h < nh; h++)
             for (int g = 0; g < 3; g++) {
@@ -415,11 +429,15 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
             const int64_t j = j0 + jj;
             const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
             const float *vb = kbase + table[j] * block_stride + v_offset;
-            const float *next = jj + 1 < nb ? kbase + table[j + 1] * block_stride + v_offset : NULL;
+            /* the chunk's last V block prefetches the next chunk's first K block, if any */
+            const float *next = jj + 1 < nb ? kbase + table[j + 1] * block_stride + v_offset
+                                : j + 1 < nblocks ? kbase + table[j + 1] * block_stride : NULL;
             for (int h = 0; h < nh; h++)
                 for (int half = 0; half < 2; half++)
                     weigh_half(acc[h], vb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
-                               sc[h][2] + jj * 16, half, next ? next + h * 64 : NULL);
+                               sc[h][2] + jj * 16, half,
+                               next ? next + (whole ? (h * 2 + half) * 512 : h * 64 + half * 32) : NULL,
+                               whole ? 32 : token_stride);
         }
     }
     for (int h = 0; h < nh; h++)
