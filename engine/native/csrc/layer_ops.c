@@ -234,25 +234,28 @@ static inline __attribute__((always_inline)) void panel_rows(
  * ahead is prefetched: 8 KiB, about a memory read's latency at the block's pace (faster there
  * with the weights coming from memory, as they do in a forward pass; 16 rows ahead fell short
  * at decode batch sizes: docs/BENCHMARKS.md, "Prefill attention by KV head, decode attention
- * by sequence"). */
+ * by sequence"). The accumulators are named variables, not an array: with an array gcc kept
+ * those of 1-3 row blocks (a batch's last rows) in memory, and such a block took longer than
+ * a full one (docs/BENCHMARKS.md, "The linears' last rows"). */
 #define HALF_PREFETCH 64
 static inline __attribute__((always_inline)) void half_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,
         int64_t out_stride) {
-    v8 a[6][2];
-    for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = (v8){0};
+    v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+    v8 a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
     for (int64_t k = 0; k < in_dim; k++) {
         v8 w0, w1;
         __builtin_prefetch(w + (k + HALF_PREFETCH) * PANEL);  /* past the panel's end: a hint, never a fault */
         __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
         __builtin_memcpy(&w1, w + k * PANEL + 8, sizeof w1);
-        for (int64_t r = 0; r < m; r++) {
-            const float xs = X[r * x_stride + k];
-            a[r][0] += w0 * xs;
-            a[r][1] += w1 * xs;
-        }
+#define ROW(r) if (m > r) { const float xs = X[r * x_stride + k]; a##r##0 += w0 * xs; a##r##1 += w1 * xs; }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
     }
-    for (int64_t r = 0; r < m; r++) __builtin_memcpy(out + r * out_stride, a[r], sizeof a[r]);
+#define OUT(r) if (m > r) { __builtin_memcpy(out + r * out_stride, &a##r##0, sizeof a##r##0); \
+                            __builtin_memcpy(out + r * out_stride + 8, &a##r##1, sizeof a##r##1); }
+    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+#undef OUT
 }
 
 /* m (a constant where inlined) rows against both halves of one panel; gated: silu(gate) * up. */
