@@ -231,9 +231,10 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
-    # "panels 2": the C kernel's builds since it has per-CPU block rows (an older choice timed
-    # a kernel that spilled its registers on AVX2 machines: calibrate again).
-    return f"{model}|torch {torch.__version__}|panels 2"
+    # "panels N": the C kernel's builds since its last change in speed (1 -> 2: per-CPU block
+    # rows, an older choice timed a kernel that spilled its registers on AVX2 machines; 2 -> 3:
+    # half panels and tail blocks in registers on AVX2): calibrate again.
+    return f"{model}|torch {torch.__version__}|panels 3"
 
 
 def choose(ops: Iterable[Op], mode: str = "auto", path: Path | None = None,

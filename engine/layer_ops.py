@@ -31,6 +31,7 @@ _SIGNATURES = {
     "gemm_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64],
     "gemm_silu_f32": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64],
     "gemm_block_rows": [_ptr, _i64],
+    "gemm_half_panels": [],
 }
 PANEL = 32  # output rows per packed panel (the C source's PANEL)
 
@@ -40,6 +41,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
     lib.gemm_block_rows.restype = _i64
+    lib.gemm_half_panels.restype = _i64
     return lib
 
 
@@ -96,12 +98,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def half_panels() -> bool:
+    """Whether this CPU's build reads each panel as two halves, each contiguous (without
+    AVX-512: the C source's gemm_half_panels)."""
+    lib = library()
+    assert lib is not None
+    return bool(lib.gemm_half_panels())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] -> the panels `panel_matmul` reads: [out / PANEL, in, PANEL], contiguous
-    (out must be a multiple of PANEL: see `panels_packable`)."""
+    """weight [out, in] -> the panels `panel_matmul` reads: a contiguous [out / PANEL, in, PANEL]
+    tensor (out must be a multiple of PANEL: see `panels_packable`) holding, per panel, either
+    [k][j] = weight[panel row j][k], or with `half_panels()` the same as [half][k][j of 16]."""
     out_dim, in_dim = weight.shape
-    panels = hugepages.empty((out_dim // PANEL, in_dim, PANEL), weight.dtype)  # streamed every step
-    return panels.copy_(weight.view(out_dim // PANEL, PANEL, in_dim).transpose(1, 2))
+    n = out_dim // PANEL
+    panels = hugepages.empty((n, in_dim, PANEL), weight.dtype)  # streamed every step
+    if half_panels():
+        half = PANEL // 2
+        panels.view(n, 2, in_dim, half).copy_(weight.view(n, 2, half, in_dim).transpose(2, 3))
+        return panels
+    return panels.copy_(weight.view(n, PANEL, in_dim).transpose(1, 2))
 
 
 def panels_packable(weight: torch.Tensor) -> bool:

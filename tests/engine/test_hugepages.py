@@ -9,7 +9,7 @@ import torch
 
 from engine import hugepages
 from engine.kv_cache import CacheLayout, PagedKVCache
-from engine.layer_ops import PANEL, pack_panels
+from engine.layer_ops import PANEL, half_panels, pack_panels
 
 # The advice is taken wherever the kernel has THP at all (whatever its mode: "never" only
 # stops it from being acted on); without THP madvise refuses it.
@@ -58,7 +58,10 @@ def test_fresh_memory_is_not_advised_until_asked() -> None:
 def test_weight_panels_are_advised_and_equal_to_the_weight() -> None:
     w = torch.randn(PANEL * 256, 576)  # 18.9 MB of panels
     p = pack_panels(w)
-    assert torch.equal(p, w.view(256, PANEL, 576).transpose(1, 2))
+    if half_panels():  # each panel's two halves one after the other
+        assert torch.equal(p.view(256, 2, 576, PANEL // 2), w.view(256, 2, PANEL // 2, 576).transpose(2, 3))
+    else:
+        assert torch.equal(p, w.view(256, PANEL, 576).transpose(1, 2))
     flags = advised(p)
     assert flags and all(flags) == HAS_THP
 

@@ -86,8 +86,9 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 }
 
 /* Y = X @ W^T for the m rows of X (any m), W packed in panels of PANEL output rows:
- * Wp[p][k][j] = W[p * PANEL + j][k] (engine/layer_ops.py packs it), so each panel is one
- * contiguous stream and no horizontal sum is needed. The micro-kernel takes up to block_rows rows
+ * Wp[p][k][j] = W[p * PANEL + j][k] (engine/layer_ops.py packs it; without AVX-512 each half of
+ * a panel is contiguous instead: gemm_half_panels), so each panel is one contiguous stream and
+ * no horizontal sum is needed. The micro-kernel takes up to block_rows rows
  * of X against one panel: for each k, the panel's 32 weights (two 16-float vectors) times X[r][k]
  * broadcast, into block_rows x 2 accumulators (16 FMAs for 2 weight loads and 8 broadcasts, so
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
@@ -118,6 +119,19 @@ static const int64_t BLOCK_ROWS[] = {8, 4, 12};
 static const int64_t BLOCK_ROWS[] = {2, 1, 3, 4, 6};  /* 6: half panels, below */
 #endif
 #define N_BLOCK_ROWS ((int64_t)(sizeof BLOCK_ROWS / sizeof BLOCK_ROWS[0]))
+#define HALF (PANEL / 2)
+
+/* Whether this build reads half panels: 1 without AVX-512, where the panel's 16 left columns
+ * for every k come first and its 16 right ones after them (Wp[p][h][k][j] = W[p * PANEL + h * 16
+ * + j][k], engine/layer_ops.py packs it so), so the 6x16 block streams one contiguous run; 0
+ * with AVX-512, whose block reads both halves of a k at once (Wp[p][k][j]). */
+int64_t gemm_half_panels(void) {
+#ifdef __AVX512F__
+    return 0;
+#else
+    return 1;
+#endif
+}
 
 /* The block_rows this build takes, the default first; returns how many (at most `cap` written). */
 int64_t gemm_block_rows(int64_t *out, int64_t cap) {
@@ -178,13 +192,14 @@ static inline __attribute__((always_inline)) void panel_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
         int64_t y_stride, const int gated) {
     v8 a[MAX_BLOCK_ROWS][4];
+    const float *w_hi = w + in_dim * HALF;  /* half panels (see gemm_half_panels) */
     for (int64_t r = 0; r < m; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = (v8){0};
     for (int64_t k = 0; k < in_dim; k++) {
         v8 w0, w1, w2, w3;
-        __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
-        __builtin_memcpy(&w1, w + k * PANEL + 8, sizeof w1);
-        __builtin_memcpy(&w2, w + k * PANEL + 16, sizeof w2);
-        __builtin_memcpy(&w3, w + k * PANEL + 24, sizeof w3);
+        __builtin_memcpy(&w0, w + k * HALF, sizeof w0);
+        __builtin_memcpy(&w1, w + k * HALF + 8, sizeof w1);
+        __builtin_memcpy(&w2, w_hi + k * HALF, sizeof w2);
+        __builtin_memcpy(&w3, w_hi + k * HALF + 8, sizeof w3);
         for (int64_t r = 0; r < m; r++) {
             const float xs = X[r * x_stride + k];
             a[r][0] += w0 * xs;
@@ -229,14 +244,13 @@ static inline __attribute__((always_inline)) void panel_rows(
 /* Without AVX-512, many rows against half a panel (16 columns: 2 registers) at a time: m x 2
  * accumulators, m <= 6 (12 of the 16 registers, 2 for the weights, 1 for the broadcast), the
  * Haswell-style 6x16 block. Out rows are out_stride apart; 16 raw sums each. A half panel is
- * read as one 64-byte line every 128 bytes, a stride the hardware prefetchers follow late
- * (profiled on Zen 3: the weight loads were the hot spot), so the line HALF_PREFETCH rows of k
- * ahead is prefetched: 8 KiB, about a memory read's latency at the block's pace (faster there
- * with the weights coming from memory, as they do in a forward pass; 16 rows ahead fell short
- * at decode batch sizes: docs/BENCHMARKS.md, "Prefill attention by KV head, decode attention
- * by sequence"). The accumulators are named variables, not an array: with an array gcc kept
- * those of 1-3 row blocks (a batch's last rows) in memory, and such a block took longer than
- * a full one (docs/BENCHMARKS.md, "The linears' last rows"). */
+ * one contiguous run (gemm_half_panels; read as every other line of whole panels it ran a few
+ * percent slower), and the line HALF_PREFETCH rows of k ahead is prefetched: 4 KiB, about a
+ * memory read's latency at the block's pace (the weights come from memory in a forward pass;
+ * docs/BENCHMARKS.md, "Prefill attention by KV head, decode attention by sequence"). The
+ * accumulators are named variables, not an array: with an array gcc kept those of 1-3 row
+ * blocks (a batch's last rows) in memory, and such a block took longer than a full one
+ * (docs/BENCHMARKS.md, "The linears' last rows"). */
 #define HALF_PREFETCH 64
 static inline __attribute__((always_inline)) void half_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *out,
@@ -245,9 +259,9 @@ static inline __attribute__((always_inline)) void half_block(
     v8 a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
     for (int64_t k = 0; k < in_dim; k++) {
         v8 w0, w1;
-        __builtin_prefetch(w + (k + HALF_PREFETCH) * PANEL);  /* past the panel's end: a hint, never a fault */
-        __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
-        __builtin_memcpy(&w1, w + k * PANEL + 8, sizeof w1);
+        __builtin_prefetch(w + (k + HALF_PREFETCH) * HALF);  /* past the panel's end: a hint, never a fault */
+        __builtin_memcpy(&w0, w + k * HALF, sizeof w0);
+        __builtin_memcpy(&w1, w + k * HALF + 8, sizeof w1);
 #define ROW(r) if (m > r) { const float xs = X[r * x_stride + k]; a##r##0 += w0 * xs; a##r##1 += w1 * xs; }
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
@@ -264,12 +278,12 @@ static inline __attribute__((always_inline)) void halves(
         int64_t y_stride, const int gated) {
     if (!gated) {
         half_block(w, in_dim, X, x_stride, m, Y, y_stride);
-        half_block(w + 16, in_dim, X, x_stride, m, Y + 16, y_stride);
+        half_block(w + in_dim * HALF, in_dim, X, x_stride, m, Y + HALF, y_stride);
         return;
     }
     v16 g[6], u[6];
     half_block(w, in_dim, X, x_stride, m, (float *)g, 16);
-    half_block(w + 16, in_dim, X, x_stride, m, (float *)u, 16);
+    half_block(w + in_dim * HALF, in_dim, X, x_stride, m, (float *)u, 16);
     for (int64_t r = 0; r < m; r++) silu_mul16(&g[r], &u[r], Y + r * y_stride);
 }
 
