@@ -280,8 +280,8 @@ static inline __m256 lanes_below(int64_t n) {
 }
 
 /* One block's n (1..16) keys of one KV head scored against 3 query heads (q: [3][64], scaled)
- * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). Unless pf is NULL, each group
- * of 4 keys prefetches 4 x 4 lines of the next block: group k's at pf + k * pf_group + r * pf_row
+ * into sc[g][0..16); slots t >= n get 0 (the softmax masks them). Each group of 4 keys
+ * prefetches 4 x 4 lines of the next block: group k's at pf + k * pf_group + r * pf_row
  * (r = 0..3), which the caller points at a quarter of this head's rows or at 16 consecutive lines
  * (attend_g3). */
 static inline __attribute__((always_inline)) void score_block8(const float *q, const float *kb, int64_t token_stride,
@@ -295,10 +295,9 @@ static inline __attribute__((always_inline)) void score_block8(const float *q, c
              * the slots past n may hold anything, NaN included. */
             const float *k[4];
             for (int t = 0; t < 4; t++) k[t] = t0 + t4 + t < n ? kb + (t0 + t4 + t) * token_stride : kb;
-            if (pf)
-                for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 4; c++)
-                        _mm_prefetch((const char *)(pf + (t0 + t4) / 4 * pf_group + r * pf_row + c * 16), _MM_HINT_T0);
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < 4; c++)
+                    _mm_prefetch((const char *)(pf + (t0 + t4) / 4 * pf_group + r * pf_row + c * 16), _MM_HINT_T0);
             __m256 a[4][3];
             for (int c = 0; c < 8; c++) {
                 const __m256 q0 = _mm256_load_ps(q + c * 8), q1 = _mm256_load_ps(q + 64 + c * 8);
@@ -404,6 +403,7 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
      * than the same lines in the order they are used (docs/BENCHMARKS.md, "Decode attention:
      * prefetch in address order"). */
     const int whole = token_stride == nh * 64;
+    const int64_t share = 16 * 64;  /* floats of a block per KV head: whole rows split nh ways */
     const int64_t nblocks = (ctx + 15) / 16;
     for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
         const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
@@ -416,8 +416,8 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
             const float *next = kbase + (jj + 1 < nb ? table[j + 1] * block_stride : table[j0] * block_stride + v_offset);
             for (int h = 0; h < nh; h++)
                 score_block8(q[h], kb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
-                             sc[h][2] + jj * 16, next + (whole ? h * 1024 : h * 64), whole ? 256 : 4 * token_stride,
-                             whole ? 64 : token_stride);
+                             sc[h][2] + jj * 16, next + (whole ? h * share : h * 64),
+                             whole ? share / 4 : 4 * token_stride, whole ? share / 16 : token_stride);
         }
         for (int h = 0; h < nh; h++)
             for (int g = 0; g < 3; g++) {
@@ -436,8 +436,8 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
                 for (int half = 0; half < 2; half++)
                     weigh_half(acc[h], vb + h * 64, token_stride, n, sc[h][0] + jj * 16, sc[h][1] + jj * 16,
                                sc[h][2] + jj * 16, half,
-                               next ? next + (whole ? (h * 2 + half) * 512 : h * 64 + half * 32) : NULL,
-                               whole ? 32 : token_stride);
+                               next ? next + (whole ? (h * 2 + half) * share / 2 : h * 64 + half * 32) : NULL,
+                               whole ? share / 32 : token_stride);
         }
     }
     for (int h = 0; h < nh; h++)
