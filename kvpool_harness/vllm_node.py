@@ -76,10 +76,13 @@ class VllmProcess(ChildProcess):
     def __init__(self, log_path: Path, model_dir: Path, node_id: str, metaserver: str = "", cpus: str = "0-1",
                  port: int | None = None, pool_size: str = "1GiB", kv_cache_gib: int = 1,
                  extra_config: dict | None = None, max_model_len: int = 4096, eager: bool = True,
-                 num_blocks: int | None = None, served_name: str = "smollm2") -> None:
+                 num_blocks: int | None = None, served_name: str = "smollm2", uni_executor: bool = False) -> None:
         """`eager`: --enforce-eager (starts in ~25 s; the default compiled graph takes 95-140 s
         to start here and runs 1.6-2.5x faster: benchmarks of speed turn it off). `num_blocks`:
-        the KV cache's blocks (--num-gpu-blocks-override) instead of `kv_cache_gib` worth."""
+        the KV cache's blocks (--num-gpu-blocks-override) instead of `kv_cache_gib` worth.
+        `uni_executor`: the model runs inside the engine core's process
+        (--distributed-executor-backend uni), one process (and one import of vLLM) fewer to start;
+        for vLLM alone as a reference, where the process layout is not what is tested."""
         super().__init__(log_path)
         self.model_dir = Path(model_dir)
         self.node_id = node_id
@@ -93,6 +96,7 @@ class VllmProcess(ChildProcess):
         self.eager = eager
         self.num_blocks = num_blocks
         self.served_name = served_name
+        self.uni_executor = uni_executor
 
     @property
     def url(self) -> str:
@@ -108,6 +112,8 @@ class VllmProcess(ChildProcess):
                 "--max-model-len", str(self.max_model_len), "--served-model-name", self.served_name]
         if self.eager:
             args.append("--enforce-eager")
+        if self.uni_executor:
+            args += ["--distributed-executor-backend", "uni"]
         if self.num_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.metaserver:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real etcd and real metaserver processes on free loopback ports."""
+"""Shared fixtures: a real etcd and real metaserver processes on free loopback ports, and one
+vLLM server alone (no plug-in) as the session's reference."""
 from __future__ import annotations
 
 import random
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
+from kvpool_harness.vllm_node import VllmProcess, export_model
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.01) -> object:
@@ -37,20 +39,36 @@ def out_ids(body: dict) -> list[int]:
 
 
 @contextmanager
-def running(procs: dict[str, Any], timeout_s: float, later: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+def running(procs: dict[str, Any], timeout_s: float, later: tuple[str, ...] = (),
+            shared: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     """Start every process (models load in parallel), wait until each is ready, and stop them
     all at the end, whatever happened. `later`: processes not waited for here (the test that
-    uses one calls its `wait_ready`): a slow starter readies while the other tests run."""
+    uses one calls its `wait_ready`): a slow starter readies while the other tests run.
+    `shared`: processes a wider fixture started and stops (`vllm_alone`): only waited for."""
     try:
-        for p in procs.values():
-            p.start()
+        for name, p in procs.items():
+            if name not in shared:
+                p.start()
         for name, p in procs.items():
             if name not in later:
                 p.wait_ready(timeout_s=timeout_s)
         yield procs
     finally:
-        for p in procs.values():
-            p.stop()
+        for name, p in procs.items():
+            if name not in shared:
+                p.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    """vLLM without the plug-in: the reference the vLLM tests compare answers with, one server
+    for the whole session. Started, not waited for: the first module's fixture waits for it
+    beside its own nodes (`running(..., shared=...)`), so their starts overlap. One thread on
+    core 0: the nodes under test (one core each) compute beside it."""
+    proc = VllmProcess(tmp_path_factory.mktemp("vllm-alone") / "C.log", export_model(), "vllm-c", cpus="0",
+                       uni_executor=True).start()
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture

@@ -22,18 +22,18 @@ HITS = "vllm:external_prefix_cache_hits_total"
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmProcess]]:
+def nodes(tmp_path_factory: pytest.TempPathFactory, vllm_alone: VllmProcess) -> Iterator[dict[str, VllmProcess]]:
     run = tmp_path_factory.mktemp("vllm-disk")
     model = export_model()
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
         procs = {
             # D: a DRAM pool of 5 blocks over a disk tier
-            "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="0",
+            "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="1",
                              pool_size=str(5 * slot_bytes_for(BLOCK_BYTES)),
                              extra_config={"pool_disk": str(run / "disk-d"), "pool_disk_size": "256MiB"}),
-            "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="1"),  # vLLM alone
+            "C": vllm_alone,
         }
-        with running(procs, 400):
+        with running(procs, 400, shared=("C",)):
             yield procs
 
 

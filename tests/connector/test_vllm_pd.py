@@ -31,17 +31,17 @@ LOADED = "kvpool:connector_loaded_blocks_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_alone: VllmProcess) -> Iterator[dict]:
     run = tmp_path_factory.mktemp("vllm-pd")
     model = export_model()
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
         procs = {"P": VllmProcess(run / "P.log", model, "vllm-p", ms.address, cpus="0",
                                   extra_config={"save_policy": "selective"}),
                  "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="1"),
-                 "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="0-1")}
+                 "C": vllm_alone}
         client = MetaClient(ms.address)
         try:
-            with running(procs, 400):
+            with running(procs, 400, shared=("C",)):
                 yield {**procs, "client": client}
         finally:
             client.close()

@@ -63,7 +63,7 @@ def linked_copy(model: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_alone: VllmProcess) -> Iterator[dict]:
     run = tmp_path_factory.mktemp("vllm")
     model = export_model()
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
@@ -75,13 +75,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
                              cpus="1", extra_config={"debug_load_delay_s": 1.0}, served_name="smollm2-b"),
             # R: started by the README's command, as written (node-a, served as its model's path).
             "R": ReadmeNode(run / "R.log", model, "node-a", ms.address, served_name=str(model)),
-            "C": VllmProcess(run / "C.log", model, "vllm-c", cpus="0-1"),
+            "C": vllm_alone,
             "E": EngineProcess(run / "E.log", "engine-e", ms.address, pool_size="256MiB",
                                extra_args=("--kv-cache-bytes", "128MiB", "--threads", "1")),
         }
         client = MetaClient(ms.address)
         try:
-            with running(procs, 400, later=("R",)):  # R compiles its graph: waited for in its test
+            with running(procs, 400, later=("R",), shared=("C",)):  # R compiles its graph: waited for in its test
                 yield {**procs, "client": client, "run": run}
         finally:
             client.close()

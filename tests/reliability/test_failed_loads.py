@@ -85,10 +85,10 @@ def _engine_admitted(node: ChildProcess) -> bool:
 
 def _vllm(run: Path, node_id: str, ms: str, role: str) -> VllmProcess:
     model = export_model()
-    cpus = {"S": "0", "R": "1", "C": "0"}[role]  # C answers beside R (see Cluster.check)
+    cpus = {"S": "0", "R": "1"}[role]  # C, the session's `vllm_alone`, answers beside R on core 0
     extra = TIMEOUTS if role == "R" else {}
     # R: 20 blocks of 128 tokens, so other prompts soon take over blocks it recomputed
-    return VllmProcess(run / f"{node_id}.log", model, node_id, ms if role != "C" else "", cpus=cpus,
+    return VllmProcess(run / f"{node_id}.log", model, node_id, ms, cpus=cpus,
                        pool_size="2GiB" if role == "S" else "1GiB", extra_config=extra, max_model_len=1024,
                        num_blocks=20 if role == "R" else None)
 
@@ -210,17 +210,20 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     host = HOSTS[request.param]
     run = tmp_path_factory.mktemp(f"failed-loads-{host.name}")
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
-        nodes = {role: host.make(run, role, ms.address, role) for role in ("S", "R", "C")}
+        # vLLM's reference is the session's one (started already, stopped at the session's end)
+        shared = {"C": request.getfixturevalue("vllm_alone")} if host.name == "vllm" else {}
+        nodes = {role: shared.get(role) or host.make(run, role, ms.address, role) for role in ("S", "R", "C")}
+        owned = [n for role, n in nodes.items() if role not in shared]
         client = MetaClient(ms.address)
         try:
-            for n in nodes.values():
+            for n in owned:
                 n.start()  # type: ignore[attr-defined]
             for n in nodes.values():
                 n.wait_ready(600)  # type: ignore[attr-defined]
             yield Cluster(host, nodes["S"], nodes["R"], nodes["C"], client, run, ms.address)
         finally:
             client.close()
-            for n in nodes.values():
+            for n in owned:
                 _resume(n)
                 n.stop()
 
