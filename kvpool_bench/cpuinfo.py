@@ -9,16 +9,23 @@ VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf1
 
 
 def cpu_info() -> dict[str, object]:
-    model, flags = "", set()
+    model, flags, numbers = "", set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
+            key = key.strip()
+            if key == "model name" and not model:
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
+            elif key == "flags" and not flags:
                 flags = set(value.split())
+            elif key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = value.strip()
     except OSError:
         pass
+    # Under a hypervisor the name can be generic ("Intel(R) Xeon(R) Processor" for Cascade Lake
+    # and Emerald Rapids alike): family and model say which CPU it is.
+    if len(numbers) == 2:
+        model = f"{model or 'unknown'} (family {numbers['cpu family']} model {numbers['model']})"
     caches = {}
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
