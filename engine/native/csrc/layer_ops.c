@@ -165,7 +165,10 @@ static __attribute__((noinline)) void silu_mul16(const v16 *g, const v16 *u, flo
 #ifdef __AVX512F__
 /* The accumulators are named variables, not an array: with an array gcc 12 (targeting Intel's
  * AVX-512 cores) kept them in memory and loaded and stored each one every k (as it did for the
- * AVX2 block's last rows, below): 63 GFLOPS on one Emerald Rapids core against ~170 peak. */
+ * AVX2 block's last rows, below): 63 GFLOPS on one Emerald Rapids core against ~170 peak. The
+ * panel's line PANEL_PREFETCH rows of k ahead is prefetched, 4 KiB as in the AVX2 block (3-5%
+ * on Emerald Rapids; 16 or 64 rows no different). */
+#define PANEL_PREFETCH 32
 static inline __attribute__((always_inline)) void panel_block(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, const int64_t m, float *Y,
         int64_t y_stride, const int gated) {
@@ -174,6 +177,8 @@ static inline __attribute__((always_inline)) void panel_block(
     v16 a8_0 = {0}, a8_1 = {0}, a9_0 = {0}, a9_1 = {0}, a10_0 = {0}, a10_1 = {0}, a11_0 = {0}, a11_1 = {0};
     for (int64_t k = 0; k < in_dim; k++) {
         v16 w0, w1;
+        __builtin_prefetch(w + (k + PANEL_PREFETCH) * PANEL);  /* past the panel's end: a hint, never a fault */
+        __builtin_prefetch(w + (k + PANEL_PREFETCH) * PANEL + 16);
         __builtin_memcpy(&w0, w + k * PANEL, sizeof w0);
         __builtin_memcpy(&w1, w + k * PANEL + 16, sizeof w1);
 #define ROW(r) if (m > r) { const float xs = X[r * x_stride + k]; a##r##_0 += w0 * xs; a##r##_1 += w1 * xs; }
