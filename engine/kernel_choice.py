@@ -223,25 +223,11 @@ def cache_path() -> Path:
 def machine_key() -> str:
     """What a calibration is valid for besides the shape: the CPU model and torch's version
     (not the thread count: engines on one machine must agree whatever their --threads)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "cpu family", "model"):
-                fields.setdefault(key.strip(), value.strip())
-            if len(fields) == 3:
-                break
-    except OSError:
-        pass
-    # The name alone can be generic under a hypervisor (two Intel generations both read "Intel(R)
-    # Xeon(R) Processor"): family and model tell them apart.
-    model = fields.get("model name", "unknown")
-    if "cpu family" in fields and "model" in fields:
-        model += f" ({fields['cpu family']}/{fields['model']})"
+    model = build.cpu_model()  # with family and model: the name alone can be generic under KVM
     # "panels N": the C kernel's builds since its last change in speed (1 -> 2: per-CPU block
     # rows, an older choice timed a kernel that spilled its registers on AVX2 machines; 2 -> 3:
-    # half panels and tail blocks in registers on AVX2; 3 -> 4: every block's row count a
-    # constant, AVX-512 accumulators in registers): calibrate again.
+    # half panels and tail blocks in registers on AVX2; 3 -> 4: the AVX-512 block's row counts
+    # constants and its accumulators in registers): calibrate again.
     return f"{model}|torch {torch.__version__}|panels 4"
 
 

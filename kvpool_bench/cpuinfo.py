@@ -5,27 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.native.build import cpu_model, cpuinfo_fields
+
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
 def cpu_info() -> dict[str, object]:
-    model, flags, numbers = "", set(), {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-            elif key in ("cpu family", "model") and key not in numbers:
-                numbers[key] = value.strip()
-    except OSError:
-        pass
-    # Under a hypervisor the name can be generic ("Intel(R) Xeon(R) Processor" for Cascade Lake
-    # and Emerald Rapids alike): family and model say which CPU it is.
-    if len(numbers) == 2:
-        model = f"{model or 'unknown'} (family {numbers['cpu family']} model {numbers['model']})"
+    flags = set(cpuinfo_fields().get("flags", "").split())
     caches = {}
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
@@ -34,7 +20,7 @@ def cpu_info() -> dict[str, object]:
             continue
         name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
         caches[name] = size
-    return {"model": model or "unknown", "cores": os.cpu_count(), "vector": [f for f in VECTOR_FLAGS if f in flags],
+    return {"model": cpu_model(), "cores": os.cpu_count(), "vector": [f for f in VECTOR_FLAGS if f in flags],
             "caches": caches}
 
 

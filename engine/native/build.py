@@ -41,8 +41,23 @@ class KernelBuildError(RuntimeError):
     """The C kernel could not be compiled or loaded (the message says why)."""
 
 
+def cpuinfo_fields() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo, key -> value ({} where it cannot be read)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first CPU's entry ends at the first blank line
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def cpu_flags() -> str:
-    """/proc/cpuinfo's first "flags" line ("" where there is none)."""
+    """/proc/cpuinfo's first "flags" line ("" where there is none), as written: part of the
+    build cache's key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -50,6 +65,17 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def cpu_model() -> str:
+    """The CPU's name with its family and model numbers, e.g. "Intel(R) Xeon(R) Processor
+    (family 6 model 207)": under a hypervisor the name alone can be generic (Cascade Lake and
+    Emerald Rapids both read "Intel(R) Xeon(R) Processor"). "unknown" where there is none."""
+    fields = cpuinfo_fields()
+    model = fields.get("model name") or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        model += f" (family {fields['cpu family']} model {fields['model']})"
+    return model
 
 
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)

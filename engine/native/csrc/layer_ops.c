@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) void panel_block(
 }
 #endif
 
-/* Rows r0.. of X against one panel, `br` (a constant where inlined) at a time, while a whole
+/* Rows r0.. of X against one panel, `br` at a time (a constant in the AVX-512 cases), while a whole
  * block fits before r1; returns the first row left. */
 static inline __attribute__((always_inline)) int64_t panel_rows(
         const float *w, int64_t in_dim, const float *X, int64_t x_stride, int64_t r0, int64_t r1, float *Y,
@@ -320,6 +320,7 @@ static inline __attribute__((always_inline)) void half_rows(
 }
 #endif
 
+/* block_rows (br): one of BLOCK_ROWS (any other: the default, the first). */
 static void gemm(
         const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m, float *Y,
         int64_t y_stride, const int gated, const int br) {
@@ -362,19 +363,13 @@ static void gemm(
     }
 }
 
-/* block_rows: one of BLOCK_ROWS (any other: the default, the first). */
-static void gemm_blocked(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride,
-                         int64_t m, float *Y, int64_t y_stride, const int gated, int64_t block_rows) {
-    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, gated, (int)block_rows);
-}
-
 void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
               float *Y, int64_t y_stride, int64_t block_rows) {
-    gemm_blocked(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0, block_rows);
+    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 0, (int)block_rows);
 }
 
 /* The MLP's input half fused: Y [m, out_dim / 2] = silu(X @ gate^T) * (X @ up^T), from gated panels. */
 void gemm_silu_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,
                    float *Y, int64_t y_stride, int64_t block_rows) {
-    gemm_blocked(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1, block_rows);
+    gemm(Wp, out_dim, in_dim, X, x_stride, m, Y, y_stride, 1, (int)block_rows);
 }
