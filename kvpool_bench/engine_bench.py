@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                         "(kvpool_bench.engine_reference; needs scripts/install_vllm.sh)")
     p.add_argument("--seed", type=int, default=0, help="--reference vllm: the prompts' seed")
     p.add_argument("--kv-cache-gib", type=int, default=3, help="--reference vllm: each server's KV cache")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--reference vllm: rounds, ours and vLLM alternating with both servers up; medians reported")
     p.add_argument("--run-dir", default="runs/bench-engine", help="--reference vllm: the servers' logs")
     p.add_argument("--prefill-lengths", default="512,2048", help="--reference vllm: prompt lengths of the prefill figures")
     p.add_argument("--vllm-eager", action="store_true",

