@@ -94,10 +94,14 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
  * it runs at the FMA units' rate; the panel, reused for every block of rows, stays in L2).
  * Each output is one k-ordered FMA chain, the same whatever m and the row's place in the batch.
  * Work items are (chunk of rows, panel) pairs, chunk-major (chunks of equal size, at most
- * CHUNK_ROWS rows), cut into one contiguous range per OpenMP thread: a decode batch (one chunk)
- * gives each thread whole panels, each streaming its own part of Wp; a prefill pass gives each
- * thread chunks of rows that stay in its L2 while the panels stream past (a row re-read per
- * panel from L3 otherwise: 1-3% slower at 2,048 rows).
+ * CHUNK_ROWS rows). Without AVX-512 they are cut into one contiguous range per OpenMP thread:
+ * a decode batch (one chunk) gives each thread whole panels, each streaming its own part of
+ * Wp; a prefill pass gives each thread chunks of rows that stay in its L2 while the panels
+ * stream past (a row re-read per panel from L3 otherwise: 1-3% slower at 2,048 rows). With
+ * AVX-512 they are dealt out as units (a chunk and a run of its panels, about
+ * UNITS_PER_THREAD per thread) to whichever thread is free: on a VM whose cores do not keep
+ * one speed, a static split leaves the faster thread waiting at the region's end. Which thread
+ * computes an output never changes it.
  * X rows are x_stride apart, Y rows y_stride apart; out_dim is a multiple of PANEL.
  * block_rows (one of BLOCK_ROWS; any other: the first) is how many rows a micro-kernel call
  * takes. With AVX-512 (32 registers of 16 floats) 8 rows take 16 accumulators, as the kernel was
@@ -111,6 +115,9 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 #define PANEL 32
 #define MAX_BLOCK_ROWS 12
 #define CHUNK_ROWS 256
+#ifndef UNITS_PER_THREAD
+#define UNITS_PER_THREAD 8
+#endif
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 #ifdef __AVX512F__
@@ -320,15 +327,49 @@ static inline __attribute__((always_inline)) void half_rows(
 }
 #endif
 
+#ifdef __AVX512F__
+/* Rows r0..r1 against panels g0..g1, `br` rows at a time (a constant). */
+static inline __attribute__((always_inline)) void range_rows(
+        const float *Wp, int64_t in_dim, int64_t g0, int64_t g1, const float *X, int64_t x_stride, int64_t r0,
+        int64_t r1, float *Y, int64_t y_stride, int64_t y_cols, const int gated, const int br) {
+    for (int64_t p = g0; p < g1; p++) {
+        const float *w = Wp + p * in_dim * PANEL;
+        float *y = Y + p * y_cols;
+        const int64_t r = panel_rows(w, in_dim, X, x_stride, r0, r1, y, y_stride, gated, br);
+        panel_tail(w, in_dim, X, x_stride, r, r1, y, y_stride, gated);
+    }
+}
+#endif
+
 /* block_rows (br): one of BLOCK_ROWS (any other: the default, the first). */
 static void gemm(
         const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m, float *Y,
         int64_t y_stride, const int gated, const int br) {
     const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t items = panels * chunks, y_cols = gated ? PANEL / 2 : PANEL;
-    /* the rows cut into chunks of equal size (a multiple of 6 rows, the AVX2 block), so the
-     * threads' equal shares of items are equal shares of the work */
+    /* the rows cut into chunks of equal size (a multiple of 6 rows, the AVX2 block), so equal
+     * shares of items are equal shares of the work */
     const int64_t chunk_rows = ((m + chunks - 1) / chunks + 5) / 6 * 6;
+#ifdef __AVX512F__
+    int64_t unit = items / (UNITS_PER_THREAD * omp_get_max_threads());  /* panels per unit */
+    if (unit < 1) unit = 1;
+    if (unit > panels) unit = panels;
+    const int64_t per_chunk = (panels + unit - 1) / unit, units = per_chunk * chunks;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t c = u / per_chunk, g0 = u % per_chunk * unit, g1 = g0 + unit < panels ? g0 + unit : panels;
+        const int64_t r0 = c * chunk_rows, r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
+        /* gcc outlines the parallel region before it inlines, so br is a run-time value in it:
+         * each case names its row count, else the one block compiled for every br tests each
+         * row's `m > r` every k, and kept the accumulators in memory. */
+#define ROWS(n) case n: range_rows(Wp, in_dim, g0, g1, X, x_stride, r0, r1, Y, y_stride, y_cols, gated, n); break;
+        switch (br) {
+            ROWS(4) ROWS(12)
+            default: range_rows(Wp, in_dim, g0, g1, X, x_stride, r0, r1, Y, y_stride, y_cols, gated, 8); break;
+        }
+#undef ROWS
+    }
+#else
     #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -338,17 +379,6 @@ static void gemm(
             const float *w = Wp + p * in_dim * PANEL;
             float *y = Y + p * y_cols;
             int64_t r = r0;
-#ifdef __AVX512F__
-            /* gcc outlines the parallel region before it inlines, so br is a run-time value in
-             * it: each case names its row count, else the one block compiled for every br
-             * tests each row's `m > r` every k, and kept the accumulators in memory. */
-#define ROWS(n) case n: r = panel_rows(w, in_dim, X, x_stride, r0, r1, y, y_stride, gated, n); break;
-            switch (br) {
-                ROWS(4) ROWS(12)
-                default: r = panel_rows(w, in_dim, X, x_stride, r0, r1, y, y_stride, gated, 8); break;
-            }
-#undef ROWS
-#else
             /* AVX2: the 1-4 row blocks stay one block for every br (their accumulators fit in
              * registers either way): named per case, 4 rows ran 12-15% slower, and the 6-row
              * half-panel path beside them 5-7% slower (timed on Emerald Rapids' AVX2). */
@@ -357,10 +387,10 @@ static void gemm(
                 continue;
             }
             r = panel_rows(w, in_dim, X, x_stride, r0, r1, y, y_stride, gated, br);
-#endif
             panel_tail(w, in_dim, X, x_stride, r, r1, y, y_stride, gated);
         }
     }
+#endif
 }
 
 void gemm_f32(const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m,

@@ -32,8 +32,8 @@
  * or where the compiler has neither AVX-512 nor AVX2 with FMA: the caller then uses SDPA);
  * returns 1 when done.
  * Threads: torch's OpenMP runtime, work items (query tile, the query heads of one KV head)
- * scheduled dynamically (causal tiles differ in length); the AVX2 kernel walks the key tiles
- * once for all the item's heads (`attend_group`).
+ * scheduled dynamically (causal tiles differ in length); both kernels walk the key tiles once
+ * for all the item's heads (`attend_group`).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -108,85 +108,96 @@ static inline __attribute__((always_inline)) void pv4(const float *p, const floa
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i * HD + c * 16, acc[i][c]);
 }
 
-/* One (query head, query tile): rows q0 .. q0+m-1 of the chunk, absolute positions
- * first_pos + row. kt_head / vt_head: the query head's KV head, packed (pack_tile). */
-static void attend_tile(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
-                        const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq, float scale) {
-    float qa[QT][HD] __attribute__((aligned(64)));
-    float o[QT][HD] __attribute__((aligned(64)));
-    float p[QT][KT] __attribute__((aligned(64)));
-    float lv[QT][16] __attribute__((aligned(64)));  /* per-row sums, 16 lanes, summed at the end */
-    float mx[16] __attribute__((aligned(64))) = {0}, nmx[16] __attribute__((aligned(64))) = {0};
-    float alpha[16] __attribute__((aligned(64)));
-    int64_t pos[QT];
-    const int64_t last = load_queries(q, q_stride, q0, m, QT, hq, scale, first_pos, qa, pos, mx);
-    memset(o, 0, sizeof(o));
-    memset(lv, 0, sizeof(lv));
+/* One query head's running state over a query tile's key tiles. */
+struct head_state {
+    float qa[QT][HD];   /* the tile's queries, scaled */
+    float o[QT][HD];    /* weighted V, not yet divided by the sums */
+    float p[QT][KT];    /* the key tile's probabilities */
+    float lv[QT][16];   /* per-row sums, 16 lanes, summed at the end */
+    float mx[16], nmx[16], alpha[16];
+} __attribute__((aligned(64)));
+
+/* One key tile (kt / vt packed, keys k0 = tile * KT on) folded into head st's rows. */
+static inline __attribute__((always_inline)) void fold_tile(struct head_state *st, const float *kt,
+                                                            const float *vt, int64_t tile, const int64_t *pos,
+                                                            int64_t last) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 lo = _mm512_set1_ps(-3.0e38f);
-    for (int64_t tile = 0; tile * KT <= last; tile++) {
-        const float *kt = kt_head + tile * (HD * KT);
-        __m512 s0[QT], s1[QT];
-        for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm512_setzero_ps();
-        for (int d = 0; d < HD; d++) {
-            const __m512 b0 = _mm512_load_ps(kt + d * KT), b1 = _mm512_load_ps(kt + d * KT + 16);
-            for (int i = 0; i < QT; i++) {
-                const __m512 a = _mm512_set1_ps(qa[i][d]);
-                s0[i] = _mm512_fmadd_ps(a, b0, s0[i]);
-                s1[i] = _mm512_fmadd_ps(a, b1, s1[i]);
-            }
-        }
-        const int64_t k0 = tile * KT;
-        /* Keys past a row's position are masked; a tile every row sees whole (all but the
-         * diagonal ones; pos[0] is the smallest) skips the masks. */
-        __mmask16 m0[QT], m1[QT];
-        if (k0 + KT - 1 <= pos[0]) {
-            for (int i = 0; i < QT; i++) m0[i] = m1[i] = 0xffff;
-        } else {
-            const __m512 key0 = _mm512_add_ps(iota, _mm512_set1_ps((float)k0));
-            const __m512 key1 = _mm512_add_ps(key0, _mm512_set1_ps(16.f));
-            for (int i = 0; i < QT; i++) {
-                const __m512 lim = _mm512_set1_ps((float)pos[i]);
-                m0[i] = _mm512_cmp_ps_mask(key0, lim, _CMP_LE_OQ);
-                m1[i] = _mm512_cmp_ps_mask(key1, lim, _CMP_LE_OQ);
-                s0[i] = _mm512_mask_mov_ps(lo, m0[i], s0[i]);
-                s1[i] = _mm512_mask_mov_ps(lo, m1[i], s1[i]);
-            }
-        }
+    __m512 s0[QT], s1[QT];
+    for (int i = 0; i < QT; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+    for (int d = 0; d < HD; d++) {
+        const __m512 b0 = _mm512_load_ps(kt + d * KT), b1 = _mm512_load_ps(kt + d * KT + 16);
         for (int i = 0; i < QT; i++) {
-            const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s0[i], s1[i]));
-            nmx[i] = tmax > mx[i] ? tmax : mx[i];
+            const __m512 a = _mm512_set1_ps(st->qa[i][d]);
+            s0[i] = _mm512_fmadd_ps(a, b0, s0[i]);
+            s1[i] = _mm512_fmadd_ps(a, b1, s1[i]);
         }
-        /* the 8 rows' rescale factors exp(old max - new max) in one exp */
-        _mm512_store_ps(alpha, exp512(_mm512_sub_ps(_mm512_load_ps(mx), _mm512_load_ps(nmx))));
+    }
+    const int64_t k0 = tile * KT;
+    /* Keys past a row's position are masked; a tile every row sees whole (all but the
+     * diagonal ones; pos[0] is the smallest) skips the masks. */
+    __mmask16 m0[QT], m1[QT];
+    if (k0 + KT - 1 <= pos[0]) {
+        for (int i = 0; i < QT; i++) m0[i] = m1[i] = 0xffff;
+    } else {
+        const __m512 key0 = _mm512_add_ps(iota, _mm512_set1_ps((float)k0));
+        const __m512 key1 = _mm512_add_ps(key0, _mm512_set1_ps(16.f));
         for (int i = 0; i < QT; i++) {
-            mx[i] = nmx[i];
-            const __m512 nmv = _mm512_set1_ps(nmx[i]);
-            const __m512 e0 = _mm512_maskz_mov_ps(m0[i], exp512(_mm512_sub_ps(s0[i], nmv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(m1[i], exp512(_mm512_sub_ps(s1[i], nmv)));
-            _mm512_store_ps(lv[i], _mm512_fmadd_ps(_mm512_load_ps(lv[i]), _mm512_set1_ps(alpha[i]),
+            const __m512 lim = _mm512_set1_ps((float)pos[i]);
+            m0[i] = _mm512_cmp_ps_mask(key0, lim, _CMP_LE_OQ);
+            m1[i] = _mm512_cmp_ps_mask(key1, lim, _CMP_LE_OQ);
+            s0[i] = _mm512_mask_mov_ps(lo, m0[i], s0[i]);
+            s1[i] = _mm512_mask_mov_ps(lo, m1[i], s1[i]);
+        }
+    }
+    for (int i = 0; i < QT; i++) {
+        const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s0[i], s1[i]));
+        st->nmx[i] = tmax > st->mx[i] ? tmax : st->mx[i];
+    }
+    /* the 8 rows' rescale factors exp(old max - new max) in one exp */
+    _mm512_store_ps(st->alpha, exp512(_mm512_sub_ps(_mm512_load_ps(st->mx), _mm512_load_ps(st->nmx))));
+    for (int i = 0; i < QT; i++) {
+        st->mx[i] = st->nmx[i];
+        const __m512 nmv = _mm512_set1_ps(st->nmx[i]);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0[i], exp512(_mm512_sub_ps(s0[i], nmv)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1[i], exp512(_mm512_sub_ps(s1[i], nmv)));
+        _mm512_store_ps(st->lv[i], _mm512_fmadd_ps(_mm512_load_ps(st->lv[i]), _mm512_set1_ps(st->alpha[i]),
                                                    _mm512_add_ps(e0, e1)));
-            _mm512_store_ps(p[i], e0);
-            _mm512_store_ps(p[i] + 16, e1);
-        }
-        const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
-        const float *vt = vt_head + tile * (KT * HD);
-        pv4(p[0], vt, nk, o[0], alpha);
-        pv4(p[4], vt, nk, o[4], alpha + 4);
+        _mm512_store_ps(st->p[i], e0);
+        _mm512_store_ps(st->p[i] + 16, e1);
     }
-    for (int i = 0; i < m; i++) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(lv[i])));
-        float *dst = out + (q0 + i) * out_stride + hq * HD;
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), inv));
-    }
+    const int nk = (int)((last + 1 - k0) < KT ? (last + 1 - k0) : KT);
+    pv4(st->p[0], vt, nk, st->o[0], st->alpha);
+    pv4(st->p[4], vt, nk, st->o[4], st->alpha + 4);
 }
 
-/* Query heads hq0 .. hq0+ng-1 of one KV head on one query tile, one head after the other. */
+/* Query heads hq0 .. hq0+ng-1 (ng <= MAX_GROUP, all of one KV head) on one query tile: rows
+ * q0 .. q0+m-1 of the chunk, absolute positions first_pos + row. kt_head / vt_head: their KV
+ * head, packed (pack_tile). The heads take each key tile in turn, so a tile is read from L2
+ * once for all of them and then from L1, as in the AVX2 kernel. Each head's arithmetic is the
+ * same as alone. */
 static void attend_group(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
                          const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq0, int ng,
                          float scale) {
+    struct head_state st[MAX_GROUP];
+    int64_t pos[QT], last = 0;
+    for (int g = 0; g < ng; g++) {
+        memset(st[g].o, 0, sizeof st[g].o);
+        memset(st[g].lv, 0, sizeof st[g].lv);
+        memset(st[g].mx, 0, sizeof st[g].mx);
+        memset(st[g].nmx, 0, sizeof st[g].nmx);
+        last = load_queries(q, q_stride, q0, m, QT, hq0 + g, scale, first_pos, st[g].qa, pos, st[g].mx);
+    }
+    for (int64_t tile = 0; tile * KT <= last; tile++)
+        for (int g = 0; g < ng; g++)
+            fold_tile(&st[g], kt_head + tile * (HD * KT), vt_head + tile * (KT * HD), tile, pos, last);
     for (int g = 0; g < ng; g++)
-        attend_tile(q, q_stride, out, out_stride, kt_head, vt_head, first_pos, q0, m, hq0 + g, scale);
+        for (int i = 0; i < m; i++) {
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(st[g].lv[i])));
+            float *dst = out + (q0 + i) * out_stride + (hq0 + g) * HD;
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(st[g].o[i] + c * 16), inv));
+        }
 }
 
 #else  /* AVX2 with FMA */
@@ -216,7 +227,7 @@ static inline __attribute__((always_inline)) void pv6(const float *p, const floa
     }
 }
 
-/* One query head's running state over a query tile's key tiles (AVX2). */
+/* One query head's running state over a query tile's key tiles (AVX2; the AVX-512 one above). */
 struct head_state {
     float qa[QT][HD];   /* the tile's queries, scaled */
     float o[QT][HD];    /* weighted V, not yet divided by the sums */
