@@ -83,6 +83,22 @@ static inline __attribute__((always_inline)) int64_t load_queries(const float *q
 
 #ifdef __AVX512F__
 #define QT 8    /* query rows per tile */
+#define LANES 16
+#else
+#define QT 6
+#define LANES 8
+#endif
+
+/* One query head's running state over a query tile's key tiles. */
+struct head_state {
+    float qa[QT][HD];     /* the tile's queries, scaled */
+    float o[QT][HD];      /* weighted V, not yet divided by the sums */
+    float p[QT][KT];      /* the key tile's scores, then its probabilities */
+    float lv[QT][LANES];  /* per-row sums, one vector's lanes, summed at the end */
+    float mx[LANES], nmx[LANES], alpha[LANES];
+} __attribute__((aligned(64)));
+
+#ifdef __AVX512F__
 
 /* P[rows][32] . V[32 keys][64] (a packed tile, nk keys of it) added into o[rows][64] (rows <= 4),
  * o scaled by alpha[] first. */
@@ -107,15 +123,6 @@ static inline __attribute__((always_inline)) void pv4(const float *p, const floa
     for (int i = 0; i < 4; i++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + i * HD + c * 16, acc[i][c]);
 }
-
-/* One query head's running state over a query tile's key tiles. */
-struct head_state {
-    float qa[QT][HD];   /* the tile's queries, scaled */
-    float o[QT][HD];    /* weighted V, not yet divided by the sums */
-    float p[QT][KT];    /* the key tile's probabilities */
-    float lv[QT][16];   /* per-row sums, 16 lanes, summed at the end */
-    float mx[16], nmx[16], alpha[16];
-} __attribute__((aligned(64)));
 
 /* One key tile (kt / vt packed, keys k0 = tile * KT on) folded into head st's rows. */
 static inline __attribute__((always_inline)) void fold_tile(struct head_state *st, const float *kt,
@@ -171,37 +178,13 @@ static inline __attribute__((always_inline)) void fold_tile(struct head_state *s
     pv4(st->p[4], vt, nk, st->o[4], st->alpha + 4);
 }
 
-/* Query heads hq0 .. hq0+ng-1 (ng <= MAX_GROUP, all of one KV head) on one query tile: rows
- * q0 .. q0+m-1 of the chunk, absolute positions first_pos + row. kt_head / vt_head: their KV
- * head, packed (pack_tile). The heads take each key tile in turn, so a tile is read from L2
- * once for all of them and then from L1, as in the AVX2 kernel. Each head's arithmetic is the
- * same as alone. */
-static void attend_group(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
-                         const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq0, int ng,
-                         float scale) {
-    struct head_state st[MAX_GROUP];
-    int64_t pos[QT], last = 0;
-    for (int g = 0; g < ng; g++) {
-        memset(st[g].o, 0, sizeof st[g].o);
-        memset(st[g].lv, 0, sizeof st[g].lv);
-        memset(st[g].mx, 0, sizeof st[g].mx);
-        memset(st[g].nmx, 0, sizeof st[g].nmx);
-        last = load_queries(q, q_stride, q0, m, QT, hq0 + g, scale, first_pos, st[g].qa, pos, st[g].mx);
-    }
-    for (int64_t tile = 0; tile * KT <= last; tile++)
-        for (int g = 0; g < ng; g++)
-            fold_tile(&st[g], kt_head + tile * (HD * KT), vt_head + tile * (KT * HD), tile, pos, last);
-    for (int g = 0; g < ng; g++)
-        for (int i = 0; i < m; i++) {
-            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(st[g].lv[i])));
-            float *dst = out + (q0 + i) * out_stride + (hq0 + g) * HD;
-            for (int c = 0; c < 4; c++)
-                _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(st[g].o[i] + c * 16), inv));
-        }
+/* Row i of head st, divided by its sum, into dst (64 floats). */
+static inline void store_row(const struct head_state *st, int i, float *dst) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(st->lv[i])));
+    for (int c = 0; c < 4; c++) _mm512_storeu_ps(dst + c * 16, _mm512_mul_ps(_mm512_load_ps(st->o[i] + c * 16), inv));
 }
 
 #else  /* AVX2 with FMA */
-#define QT 6    /* query rows per tile */
 
 /* AVX2: P[6][32] . V[32 keys][16] (a quarter c of the head dim; nk keys of the tile) added into
  * o[6][64]'s quarter, o scaled by alpha[] first. */
@@ -227,19 +210,11 @@ static inline __attribute__((always_inline)) void pv6(const float *p, const floa
     }
 }
 
-/* One query head's running state over a query tile's key tiles (AVX2; the AVX-512 one above). */
-struct head_state {
-    float qa[QT][HD];   /* the tile's queries, scaled */
-    float o[QT][HD];    /* weighted V, not yet divided by the sums */
-    float lv[QT][8];    /* per-row sums, 8 lanes, summed at the end */
-    float mx[8], nmx[8], alpha[8];
-} __attribute__((aligned(32)));
-
 /* One key tile (kt / vt packed, keys k0 = tile * KT on) folded into head st's rows. */
 static inline __attribute__((always_inline)) void fold_tile(struct head_state *st, const float *kt,
                                                             const float *vt, int64_t tile, const int64_t *pos,
                                                             int64_t last) {
-    float sc[QT][KT] __attribute__((aligned(32)));  /* the tile's scores, then its probabilities */
+    float (*sc)[KT] = st->p;  /* the tile's scores, then its probabilities */
     const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 lo = _mm256_set1_ps(-3.0e38f);
     for (int h = 0; h < KT; h += 16) {
@@ -296,16 +271,25 @@ static inline __attribute__((always_inline)) void fold_tile(struct head_state *s
     for (int c = 0; c < 4; c++) pv6(sc[0], vt, nk, st->o[0], st->alpha, c);
 }
 
-/* Query heads hq0 .. hq0+ng-1 (ng <= MAX_GROUP, all of one KV head) on one query tile, as the
- * AVX-512 attend_tile per head, on 8-float vectors. The heads take each key tile in turn, so
- * a tile is read from memory once for all of them and then from L1 (one head after the other
- * over the whole context re-read it from L3: the packed K/V of a long context outgrow L2).
- * Each head's arithmetic is the same as alone. */
+/* Row i of head st, divided by its sum, into dst (64 floats). */
+static inline void store_row(const struct head_state *st, int i, float *dst) {
+    const __m256 inv = _mm256_set1_ps(1.f / hsum256(_mm256_load_ps(st->lv[i])));
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_load_ps(st->o[i] + c * 8), inv));
+}
+
+#endif
+
+/* Query heads hq0 .. hq0+ng-1 (ng <= MAX_GROUP, all of one KV head) on one query tile: rows
+ * q0 .. q0+m-1 of the chunk, absolute positions first_pos + row. kt_head / vt_head: their KV
+ * head, packed (pack_tile). The heads take each key tile in turn, so a tile is read from
+ * memory once for all of them and then from L1 (one head after the other over the whole
+ * context re-read it from L3: the packed K/V of a long context outgrow L2). Each head's
+ * arithmetic is the same as alone. */
 static void attend_group(const float *q, int64_t q_stride, float *out, int64_t out_stride, const float *kt_head,
                          const float *vt_head, int64_t first_pos, int64_t q0, int m, int64_t hq0, int ng,
                          float scale) {
     struct head_state st[MAX_GROUP];
-    int64_t pos[QT], last = 0;
+    int64_t pos[QT] = {0}, last = 0;  /* ng >= 1 sets both */
     for (int g = 0; g < ng; g++) {
         memset(&st[g], 0, sizeof st[g]);
         last = load_queries(q, q_stride, q0, m, QT, hq0 + g, scale, first_pos, st[g].qa, pos, st[g].mx);
@@ -314,15 +298,8 @@ static void attend_group(const float *q, int64_t q_stride, float *out, int64_t o
         for (int g = 0; g < ng; g++)
             fold_tile(&st[g], kt_head + tile * (HD * KT), vt_head + tile * (KT * HD), tile, pos, last);
     for (int g = 0; g < ng; g++)
-        for (int i = 0; i < m; i++) {
-            const __m256 inv = _mm256_set1_ps(1.f / hsum256(_mm256_load_ps(st[g].lv[i])));
-            float *dst = out + (q0 + i) * out_stride + (hq0 + g) * HD;
-            for (int c = 0; c < 8; c++)
-                _mm256_storeu_ps(dst + c * 8, _mm256_mul_ps(_mm256_load_ps(st[g].o[i] + c * 8), inv));
-        }
+        for (int i = 0; i < m; i++) store_row(&st[g], i, out + (q0 + i) * out_stride + (hq0 + g) * HD);
 }
-
-#endif
 
 int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_offset, int64_t v_offset,
                       int64_t token_stride, const float *q, int64_t q_stride, float *out, int64_t out_stride,
