@@ -145,12 +145,16 @@ def run_rounds(args: argparse.Namespace, run_dir: Path) -> list[dict]:
 NAMES = {"kvpool": "kvpool engine", "vllm": "vLLM-CPU"}
 
 
+def round_ratios(rounds: list[dict], key: str) -> list[float]:
+    """Each round's ours / vLLM for one figure (NaN where vLLM's is 0)."""
+    return [r["kvpool"][key] / r["vllm"][key] if r["vllm"][key] else float("nan") for r in rounds]
+
+
 def combine(rounds: list[dict], keys: list[str]) -> tuple[dict, dict, dict]:
     """Each side's median per figure over the rounds, and the median of the rounds' ours / vLLM
     ratios (a drift that slows both within a round cancels in its ratio)."""
     med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in keys} for side in ("kvpool", "vllm")}
-    ratio = {k: statistics.median(r["kvpool"][k] / r["vllm"][k] if r["vllm"][k] else float("nan") for r in rounds)
-             for k in keys}
+    ratio = {k: statistics.median(round_ratios(rounds, k)) for k in keys}
     return med["kvpool"], med["vllm"], ratio
 
 
@@ -168,16 +172,15 @@ def rows(prefill_lengths: list[int]) -> list[tuple[str, str, str]]:
 LOWER_IS_BETTER = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "wall_s"}
 
 
-def print_table(rounds: list[dict], prefill_lengths: list[int]) -> dict:
-    """The side-by-side table (medians over the rounds); returns the ratios."""
+def print_table(rounds: list[dict], prefill_lengths: list[int], ours: dict, ref: dict, ratio: dict) -> None:
+    """The side-by-side table: `ours`, `ref` and `ratio` are `combine(rounds, ...)`'s."""
     table = rows(prefill_lengths)
-    ours, ref, ratio = combine(rounds, [key for _, key, _ in table])
     n = len(rounds)
     spread = f" {'rounds':>13}" if n > 1 else ""
     print(f"\n{'figure':34} {'vLLM-CPU':>10} {'kvpool':>10} {'ours / vLLM':>12}{spread}"
           + (f"   (medians of {n} rounds)" if n > 1 else ""))
     for label, key, fmt in table:
-        each = [r["kvpool"][key] / r["vllm"][key] for r in rounds if r["vllm"][key]]
+        each = [v for v in round_ratios(rounds, key) if v == v]   # NaN != NaN
         span = f" {min(each):>6.2f}-{max(each):.2f}x" if n > 1 and each else ""
         print(f"{label:34} {fmt.format(ref[key]):>10} {fmt.format(ours[key]):>10} {ratio[key]:>11.2f}x{span}"
               f"{'  (lower is better)' if key in LOWER_IS_BETTER else ''}")
@@ -190,7 +193,6 @@ def print_table(rounds: list[dict], prefill_lengths: list[int]) -> dict:
     print(f"targets: throughput {throughput:.2f}x vLLM-CPU (>= 1.3x: {'met' if throughput >= 1.3 else 'not met'}); "
           + ", ".join(f"{k} {v:.2f}x" for k, v in others.items())
           + f" (each >= 1.0x: {'met' if min(others.values()) >= 1.0 else 'not met'})")
-    return ratio
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,9 +208,8 @@ def main(args: argparse.Namespace) -> int:
 
     ceilings_before = roofline.measure_ceilings(args.threads)  # quiet: before any server starts
     rounds = run_rounds(args, run_dir)
-    ratio = print_table(rounds, lengths(args))
-    keys = [key for _, key, _ in rows(lengths(args))]
-    ours, ref, _ = combine(rounds, keys)
+    ours, ref, ratio = combine(rounds, [key for _, key, _ in rows(lengths(args))])
+    print_table(rounds, lengths(args), ours, ref, ratio)
     text, floor = floor_of_run(args, ours["wall_s"], ref["output_tok_per_s"], ceilings_before)
     print(text)
     lists = ("outputs", "prompt_lens")

@@ -115,9 +115,7 @@ void silu_mul_f32(const float *gu, float *out, int64_t n, int64_t inter) {
 #define PANEL 32
 #define MAX_BLOCK_ROWS 12
 #define CHUNK_ROWS 256
-#ifndef UNITS_PER_THREAD
 #define UNITS_PER_THREAD 8
-#endif
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 #ifdef __AVX512F__
