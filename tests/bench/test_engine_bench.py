@@ -126,3 +126,11 @@ def test_rounds_are_combined_as_medians_and_the_median_of_each_rounds_ratio() ->
     firsts = {tuple(round_rng(args, rnd).randrange(1 << 30) for _ in range(4)) for rnd in range(4)}
     assert len(firsts) == 4
     assert run_lengths(args) == run_lengths(args) and len(set(run_lengths(args))) > 1
+
+
+def test_zero_rounds_is_a_one_line_error_before_anything_starts(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "engine", "--reference", "vllm", "--rounds", "0",
+                        "--run-dir", str(tmp_path / "servers"), "--out", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == "--rounds: at least 1"
+    assert not (tmp_path / "servers").exists() and not (tmp_path / "r.json").exists()
