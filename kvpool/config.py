@@ -20,7 +20,6 @@ class PoolConfig:
     evict_batch: int = 16                # LRU slots freed (and unpublished in one RPC) at a time
     read_timeout_s: float = 10.0         # a read that has not finished by then fails
     max_read_blocks: int = 65536         # read-buffer slots at most (remote blocks in flight at once)
-    rpc_timeout_s: float = 5.0
     api_url: str = ""                    # the engine's API, announced with the registration (routers)
     disk_dir: str = ""                   # the disk tier's directory (kvpool.disk); off unless this and
     disk_size_bytes: int = 0             # its size are both set

@@ -28,10 +28,16 @@ BB = 64 * 1024
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_pool(ms: MetaserverProcess, node_id: str, num_blocks: int, **kw) -> NodePool:
+def make_pool(ms: MetaserverProcess, node_id: str, num_blocks: int, rpc_timeout_s: float = 5.0,
+              **kw) -> NodePool:
+    """A started pool whose metaserver calls have `rpc_timeout_s` each (the default client's).
+    Its registration, a precondition here, gets 60 s: a loaded machine can stall a fresh etcd's
+    first writes past 5 s (seen once in CI)."""
     cfg = PoolConfig(node_id, num_blocks * slot_bytes_for(BB), BB, NS, ms.address, **kw)
-    pool = NodePool(cfg, MetaClient(ms.address))
+    client = MetaClient(ms.address, timeout_s=60.0)
+    pool = NodePool(cfg, client)
     pool.start()
+    client.timeout_s = rpc_timeout_s
     return pool
 
 
@@ -167,8 +173,9 @@ def test_touch_marks_held_blocks_used_and_ignores_the_rest(metaserver: Metaserve
 def test_eviction_unpublishes_without_holding_the_pool(metaserver: MetaserverProcess) -> None:
     """An evicting put waits for its unpublish RPC outside the pool's lock: with the metaserver
     frozen, the pool still answers and serves local reads meanwhile; the evicted slots are
-    reused only after the unpublish returned (here: failed at its deadline)."""
-    pool = make_pool(metaserver, "frozen-evict", 8, evict_batch=2, rpc_timeout_s=3.0)
+    reused only after the unpublish returned (here: answered after the thaw; its deadline
+    outlives the frozen checks on any machine)."""
+    pool = make_pool(metaserver, "frozen-evict", 8, evict_batch=2, rpc_timeout_s=60.0)
     dest = np.zeros(BB, dtype=np.uint8)
     pool.register_memory(dest.ctypes.data, dest.nbytes)
     try:
