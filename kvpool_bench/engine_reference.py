@@ -21,7 +21,10 @@ no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
                         TTFT and TPOT (a request's mean gap after its first token) p50 / p99
     floor               the throughput run's float32 work at this machine's FMA peak and read
                         bandwidth, measured before the servers start and after both stop,
-                        the higher of each kept (kvpool_bench/roofline.py)
+                        the higher of each kept (kvpool_bench/roofline.py); and per round at
+                        the ceilings measured just before and after our throughput run (on a
+                        shared VM the machine's speed drifts by tens of percent within
+                        minutes, so the session's best minute overstates the one a run had)
 """
 from __future__ import annotations
 
@@ -39,7 +42,9 @@ from kvpool_bench.report import pct, write_report
 from kvpool_bench.workloads import BenchRequest
 
 if TYPE_CHECKING:
-    from kvpool_bench.roofline import Ceilings
+    from collections.abc import Callable
+
+    from kvpool_bench.roofline import Ceilings, Work
 
 TOKEN_RANGE = (1000, 40000)   # random prompt ids: ordinary vocabulary, no special tokens
 
@@ -76,8 +81,10 @@ def run_lengths(args: argparse.Namespace) -> list[int]:
     return [sizes.randint(args.min_prompt, args.max_prompt) for _ in range(args.requests)]
 
 
-def measure(url: str, args: argparse.Namespace, rnd: int = 0) -> dict:
-    """The figures of one server in round `rnd` (see the module docstring)."""
+def measure(url: str, args: argparse.Namespace, rnd: int = 0,
+            ceilings: Callable[[], Ceilings] | None = None) -> dict:
+    """The figures of one server in round `rnd` (see the module docstring); with `ceilings`,
+    also the machine's (the higher of each, measured just before and after the throughput run)."""
     rng = round_rng(args, rnd)
     _send(url, [random_prompt(rng, 16) for _ in range(2)], 4, "warm")
     out: dict = {}
@@ -90,7 +97,14 @@ def measure(url: str, args: argparse.Namespace, rnd: int = 0) -> dict:
         window = max(r.e2e_s for r in res) - max(r.ttft_s for r in res)
         out[f"decode_batch_{batch}_tok_per_s"] = sum(r.output_tokens - 1 for r in res) / window
     prompts = [random_prompt(rng, n) for n in run_lengths(args)]
+    before = ceilings() if ceilings else None
     res, wall = _send(url, prompts, args.output_tokens, "run")
+    if ceilings and before:
+        from kvpool_bench.roofline import best
+
+        around = best(before, ceilings())
+        out.update(fma_gflops_around_run=around.fma_flops_per_s / 1e9,
+                   read_gb_per_s_around_run=around.read_bytes_per_s / 1e9)
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in res if r.output_tokens > 1]
     out.update(output_tok_per_s=sum(r.output_tokens for r in res) / wall, wall_s=wall,
                prompt_tokens=sum(map(len, prompts)), prompt_lens=[len(p) for p in prompts],
@@ -124,8 +138,10 @@ def start_servers(args: argparse.Namespace, run_dir: Path) -> dict:
     return nodes
 
 
-def run_rounds(args: argparse.Namespace, run_dir: Path) -> list[dict]:
-    """Every round's figures: [{"kvpool": {...}, "vllm": {...}}, ...]."""
+def run_rounds(args: argparse.Namespace, run_dir: Path,
+               ceilings: Callable[[], Ceilings] | None = None) -> list[dict]:
+    """Every round's figures: [{"kvpool": {...}, "vllm": {...}}, ...]; `ceilings` measures the
+    machine around our throughput runs (`measure`)."""
     nodes = start_servers(args, run_dir)
     try:
         rounds = []
@@ -133,7 +149,7 @@ def run_rounds(args: argparse.Namespace, run_dir: Path) -> list[dict]:
             order = ("kvpool", "vllm") if rnd % 2 == 0 else ("vllm", "kvpool")
             figures = {}
             for side in order:
-                figures[side] = measure(nodes[side].url, args, rnd)
+                figures[side] = measure(nodes[side].url, args, rnd, ceilings if side == "kvpool" else None)
                 print(f"round {rnd + 1}/{args.rounds}, {NAMES[side]}: {figures[side]['output_tok_per_s']:.1f} "
                       f"output tok/s ({figures[side]['wall_s']:.0f} s)", flush=True)
             rounds.append(figures)
@@ -209,10 +225,12 @@ def main(args: argparse.Namespace) -> int:
     from kvpool_bench import roofline  # torch: imported when a run starts, not with the CLI
 
     ceilings_before = roofline.measure_ceilings(args.threads)  # quiet: before any server starts
-    rounds = run_rounds(args, run_dir)
+    rounds = run_rounds(args, run_dir, lambda: roofline.measure_ceilings(args.threads))
     ours, ref, ratio = combine(rounds, [key for _, key, _ in rows(lengths(args))])
     print_table(rounds, lengths(args), ours, ref, ratio)
     text, floor = floor_of_run(args, ours["wall_s"], ref["output_tok_per_s"], ceilings_before)
+    print(text)
+    text, floor["around_runs"] = floor_around_runs(args, rounds)
     print(text)
     lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
@@ -228,10 +246,37 @@ def floor_of_run(args: argparse.Namespace, ours_wall_s: float, ref_tok_per_s: fl
     """The throughput run's float32 floor on this machine (kvpool_bench/roofline.py), beside
     our run's wall time and vLLM's rate (medians over the rounds): the ceilings are the higher
     of those measured `before` the runs and now, after them."""
+    from kvpool_bench import roofline
+
+    ceilings = roofline.best(before, roofline.measure_ceilings(args.threads))
+    return roofline.summary(run_work(args), ceilings, args.requests * args.output_tokens, ours_wall_s, ref_tok_per_s)
+
+
+def run_work(args: argparse.Namespace) -> Work:
+    """The throughput run's work (the same every round: `run_lengths`)."""
     from engine.loader.dispatch import load_model
     from kvpool_bench import roofline
 
-    config = load_model(args.model, weights=False).config
-    work = roofline.run_work(config, run_lengths(args), args.output_tokens)
-    ceilings = roofline.best(before, roofline.measure_ceilings(args.threads))
-    return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours_wall_s, ref_tok_per_s)
+    return roofline.run_work(load_model(args.model, weights=False).config, run_lengths(args), args.output_tokens)
+
+
+def floor_around_runs(args: argparse.Namespace, rounds: list[dict]) -> tuple[str, dict]:
+    """Each round's floor at the ceilings measured around our throughput run in it, and the
+    share of it our run reached: the line to print and the report's fields."""
+    from kvpool_bench import roofline
+
+    work = run_work(args)
+    floors, shares = [], []
+    for r in rounds:
+        ours = r["kvpool"]
+        c = roofline.Ceilings(ours["fma_gflops_around_run"] * 1e9, ours["read_gb_per_s_around_run"] * 1e9,
+                              args.threads)
+        floors.append(sum(roofline.floor_seconds(work, c)))
+        shares.append(floors[-1] / ours["wall_s"])
+    fma = [r["kvpool"]["fma_gflops_around_run"] for r in rounds]
+    share = statistics.median(shares)
+    spread = f" (median of {len(rounds)} rounds, {min(shares):.0%}-{max(shares):.0%})" if len(rounds) > 1 else ""
+    text = (f"at the ceilings measured just before and after each of our throughput runs (FMA "
+            f"{min(fma):.0f}-{max(fma):.0f} GFLOPS): floor {min(floors):.1f}-{max(floors):.1f} s; "
+            f"our runs reached {share:.0%} of it{spread}")
+    return text, {"floor_s": floors, "share": shares, "median_share": share, "fma_gflops": fma}

@@ -69,6 +69,13 @@ def test_tiny_engine_bench_against_vllm_prints_both_side_by_side(tmp_path: Path)
     assert "CPU: " in r.stdout and rep["cpu"]["model"] and "attention, decode" in rep["kernels"]
     assert floor["floor_s"] > 0 and rep["kvpool"]["wall_s"] > 0
     assert floor["fma_gflops"] > 1 and floor["read_gb_per_s"] > 0.1 and floor["tflop"] > 0
+    # ... and per round, at the ceilings measured around our throughput run in it.
+    around = floor["around_runs"]
+    assert "at the ceilings measured just before and after each of our throughput runs" in r.stdout
+    assert len(around["share"]) == 2 and all(v > 0 for v in around["share"] + around["floor_s"])
+    for rnd in rep["rounds"]:
+        assert rnd["kvpool"]["fma_gflops_around_run"] > 1 and rnd["kvpool"]["read_gb_per_s_around_run"] > 0.1
+        assert "fma_gflops_around_run" not in rnd["vllm"]
 
 
 def test_a_node_is_never_started_twice(tmp_path: Path) -> None:
@@ -126,6 +133,29 @@ def test_rounds_are_combined_as_medians_and_the_median_of_each_rounds_ratio() ->
     firsts = {tuple(round_rng(args, rnd).randrange(1 << 30) for _ in range(4)) for rnd in range(4)}
     assert len(firsts) == 4
     assert run_lengths(args) == run_lengths(args) and len(set(run_lengths(args))) > 1
+
+
+def test_each_rounds_floor_is_at_the_ceilings_measured_around_its_run() -> None:
+    """The per-round floor: the run's work at the ceilings measured around our run in that
+    round (not the session's best), and the share of it that run reached; the median share."""
+    import argparse
+
+    from kvpool_bench import roofline
+    from kvpool_bench.engine_reference import floor_around_runs, run_work
+
+    args = argparse.Namespace(seed=0, min_prompt=100, max_prompt=1500, requests=64, output_tokens=128,
+                              model="smollm2-135m", threads=2)
+    ceil = [(300.0, 17.0), (200.0, 17.0), (250.0, 10.0)]       # GFLOPS, GB/s around each run
+    walls = [100.0, 150.0, 120.0]
+    rounds = [{"kvpool": {"fma_gflops_around_run": f, "read_gb_per_s_around_run": b, "wall_s": w}, "vllm": {}}
+              for (f, b), w in zip(ceil, walls, strict=True)]
+    text, fields = floor_around_runs(args, rounds)
+    work = run_work(args)
+    want = [sum(roofline.floor_seconds(work, roofline.Ceilings(f * 1e9, b * 1e9, 2))) for f, b in ceil]
+    assert fields["floor_s"] == pytest.approx(want) and want[1] > want[0]   # a slower minute, a longer floor
+    assert fields["share"] == pytest.approx([f / w for f, w in zip(want, walls, strict=True)])
+    assert fields["median_share"] == pytest.approx(sorted(fields["share"])[1])
+    assert f"our runs reached {fields['median_share']:.0%} of it (median of 3 rounds" in text
 
 
 @pytest.mark.parametrize("flag", ["--rounds", "--decode-tokens"])
