@@ -32,8 +32,9 @@
  * or where the compiler has neither AVX-512 nor AVX2 with FMA: the caller then uses SDPA);
  * returns 1 when done.
  * Threads: torch's OpenMP runtime, work items (query tile, the query heads of one KV head)
- * scheduled dynamically (causal tiles differ in length); both kernels walk the key tiles once
- * for all the item's heads (`attend_group`).
+ * scheduled dynamically (causal tiles differ in length), one KV head's items after the other's
+ * (so the threads' K/V working set is one head's, 1 MiB at 2,048 keys, not all heads');
+ * both kernels walk the key tiles once for all the item's heads (`attend_group`).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -322,11 +323,13 @@ int paged_prefill_f32(const float *base, int64_t block_stride, int64_t layer_off
         for (int64_t w = 0; w < kvh * tiles; w++)
             pack_tile(kbase + (w / tiles) * HD, kbase + v_offset + (w / tiles) * HD, table, block_stride,
                       token_stride, block_size, ctx, w % tiles, kt + w * (HD * KT), vt + w * (HD * KT));
-        /* longest tiles first (the last query tiles): dynamic scheduling then balances the rest */
+        /* One KV head after the other (the threads share its packed K/V, which fits a core's L2
+         * where all heads' may not), its longest query tiles (the last) first: dynamic
+         * scheduling then balances the rest. */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
-            const int64_t t = qtiles - 1 - w / (kvh * slices), r = w % (kvh * slices);
-            const int64_t h = r / slices, first = r % slices * per;  /* KV head, its first query head here */
+            const int64_t h = w / (qtiles * slices), r = w % (qtiles * slices);  /* KV head */
+            const int64_t t = qtiles - 1 - r / slices, first = r % slices * per;  /* its first query head here */
             const int64_t q0 = t * QT;
             const int m = (int)(num_query - q0 < QT ? num_query - q0 : QT);
             attend_group(q, q_stride, out, out_stride, kt + h * tiles * (HD * KT), vt + h * tiles * (HD * KT),
