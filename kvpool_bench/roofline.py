@@ -9,7 +9,9 @@ tokens scores l(l+1)/2 pairs per head and layer); a decode token at context c re
 c values of every KV head in every layer, once.
 
 Ceilings (`measure_ceilings`, kvpool_bench/csrc/peak.c): FMA throughput from a register-only
-loop, read bandwidth from summing a 1 GiB array, both on the engine's threads; `kvpool bench
+loop, read bandwidth from summing a 1 GiB array (8 interleaved streams per thread: one stream
+per core read about half as fast, slower than the decode attention itself), both on the
+engine's threads; `kvpool bench
 engine --reference vllm` measures them before and after its runs and keeps the higher of each
 (`best`).
 

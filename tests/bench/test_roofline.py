@@ -86,6 +86,24 @@ def test_the_ceilings_probe_measures_and_restores_threads() -> None:
     assert arith == pytest.approx(1.0) and kv == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_read_probe_reads_every_element_once_at_any_size(threads: int) -> None:
+    """Each thread's part is read as interleaved streams, plus what is left over: the sum of
+    arbitrary integers is exact whatever the size and thread count."""
+    import ctypes
+
+    lib, before = roofline._library(), torch.get_num_threads()
+    torch.set_num_threads(threads)   # the OpenMP count of this thread, which peak.c uses
+    try:
+        for n in (1, 5, 127, 128, 129, 4096 * 33 + 7, 1_000_003):
+            x = torch.randint(-1000, 1000, (n,), dtype=torch.int32)
+            total = ctypes.c_int64()
+            assert lib.read_bytes(x.data_ptr(), n, ctypes.byref(total)) > 0
+            assert total.value == int(x.sum()), n
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_ceilings_kept_are_the_highest_measured() -> None:
     """A measurement taken while the cores were busy only reads lower: each ceiling is the best seen."""
     a, b = roofline.Ceilings(150e9, 30e9, 2), roofline.Ceilings(190e9, 22e9, 2)
