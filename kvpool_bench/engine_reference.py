@@ -23,8 +23,8 @@ no two prompts share a block, so no prefix cache hits), EOS ignored. Figures:
                         bandwidth, measured before the servers start and after both stop,
                         the higher of each kept (kvpool_bench/roofline.py); and per round at
                         the ceilings measured just before and after our throughput run (on a
-                        shared VM the machine's speed drifts by tens of percent within
-                        minutes, so the session's best minute overstates the one a run had)
+                        shared VM the machine's speed can drift by tens of percent within
+                        minutes: the session's best minute may overstate the one a run had)
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def measure(url: str, args: argparse.Namespace, rnd: int = 0,
     prompts = [random_prompt(rng, n) for n in run_lengths(args)]
     before = ceilings() if ceilings else None
     res, wall = _send(url, prompts, args.output_tokens, "run")
-    if ceilings and before:
+    if ceilings is not None and before is not None:
         from kvpool_bench.roofline import best
 
         around = best(before, ceilings())
