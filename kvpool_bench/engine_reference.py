@@ -228,9 +228,10 @@ def main(args: argparse.Namespace) -> int:
     rounds = run_rounds(args, run_dir, lambda: roofline.measure_ceilings(args.threads))
     ours, ref, ratio = combine(rounds, [key for _, key, _ in rows(lengths(args))])
     print_table(rounds, lengths(args), ours, ref, ratio)
-    text, floor = floor_of_run(args, ours["wall_s"], ref["output_tok_per_s"], ceilings_before)
+    work = run_work(args)
+    text, floor = floor_of_run(args, work, ours["wall_s"], ref["output_tok_per_s"], ceilings_before)
     print(text)
-    text, floor["around_runs"] = floor_around_runs(args, rounds)
+    text, floor["around_runs"] = floor_around_runs(work, args.threads, rounds)
     print(text)
     lists = ("outputs", "prompt_lens")
     write_report(args.out, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": args.threads,
@@ -241,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def floor_of_run(args: argparse.Namespace, ours_wall_s: float, ref_tok_per_s: float,
+def floor_of_run(args: argparse.Namespace, work: Work, ours_wall_s: float, ref_tok_per_s: float,
                  before: Ceilings) -> tuple[str, dict]:
     """The throughput run's float32 floor on this machine (kvpool_bench/roofline.py), beside
     our run's wall time and vLLM's rate (medians over the rounds): the ceilings are the higher
@@ -249,7 +250,7 @@ def floor_of_run(args: argparse.Namespace, ours_wall_s: float, ref_tok_per_s: fl
     from kvpool_bench import roofline
 
     ceilings = roofline.best(before, roofline.measure_ceilings(args.threads))
-    return roofline.summary(run_work(args), ceilings, args.requests * args.output_tokens, ours_wall_s, ref_tok_per_s)
+    return roofline.summary(work, ceilings, args.requests * args.output_tokens, ours_wall_s, ref_tok_per_s)
 
 
 def run_work(args: argparse.Namespace) -> Work:
@@ -260,17 +261,16 @@ def run_work(args: argparse.Namespace) -> Work:
     return roofline.run_work(load_model(args.model, weights=False).config, run_lengths(args), args.output_tokens)
 
 
-def floor_around_runs(args: argparse.Namespace, rounds: list[dict]) -> tuple[str, dict]:
-    """Each round's floor at the ceilings measured around our throughput run in it, and the
-    share of it our run reached: the line to print and the report's fields."""
+def floor_around_runs(work: Work, threads: int, rounds: list[dict]) -> tuple[str, dict]:
+    """Each round's floor for `work` (`run_work`) at the ceilings measured around our throughput
+    run in it, and the share of it our run reached: the line to print and the report's fields."""
     from kvpool_bench import roofline
 
-    work = run_work(args)
     floors, shares = [], []
     for r in rounds:
         ours = r["kvpool"]
         c = roofline.Ceilings(ours["fma_gflops_around_run"] * 1e9, ours["read_gb_per_s_around_run"] * 1e9,
-                              args.threads)
+                              threads)
         floors.append(sum(roofline.floor_seconds(work, c)))
         shares.append(floors[-1] / ours["wall_s"])
     fma = [r["kvpool"]["fma_gflops_around_run"] for r in rounds]

@@ -149,8 +149,8 @@ def test_each_rounds_floor_is_at_the_ceilings_measured_around_its_run() -> None:
     walls = [100.0, 150.0, 120.0]
     rounds = [{"kvpool": {"fma_gflops_around_run": f, "read_gb_per_s_around_run": b, "wall_s": w}, "vllm": {}}
               for (f, b), w in zip(ceil, walls, strict=True)]
-    text, fields = floor_around_runs(args, rounds)
     work = run_work(args)
+    text, fields = floor_around_runs(work, 2, rounds)
     want = [sum(roofline.floor_seconds(work, roofline.Ceilings(f * 1e9, b * 1e9, 2))) for f, b in ceil]
     assert fields["floor_s"] == pytest.approx(want) and want[1] > want[0]   # a slower minute, a longer floor
     assert fields["share"] == pytest.approx([f / w for f, w in zip(want, walls, strict=True)])
