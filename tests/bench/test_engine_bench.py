@@ -18,7 +18,7 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
     r = subprocess.run([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "engine", "--dtype",
                         "float32", "--requests", "3", "--min-prompt", "40", "--max-prompt", "90",
                         "--output-tokens", "5", "--hf-batch", "2", "--hf-bf16-prefill-prompts", "2", "--ops",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
+                        "--kv-cache-gib", "1", "--out", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     ours, hf = rep["kvpool"], rep["transformers"]
@@ -32,6 +32,10 @@ def test_tiny_engine_bench_reports_ours_and_transformers(tmp_path: Path) -> None
                 "ttft_p99_s", "tpot_p50_ms", "ttft_1024_cold_s", "ttft_1024_prefix_hit_s"):
         assert ours[key] > 0, key
     assert ours["ttft_p99_s"] >= ours["ttft_p50_s"]
+    # The engine's KV cache is --kv-cache-gib's (1 GiB: 1,456 blocks of 16 tokens of this model's 45 KiB
+    # each), and the throughput run says whether it preempted any request (a recompute in its figures).
+    assert rep["kv_cache_gib"] == 1 and ours["kv_cache_blocks"] == (1 << 30) // (16 * 30 * 2 * 3 * 64 * 4)
+    assert ours["preemptions"] == 0 and ", 0 preemptions" in r.stdout
     assert hf["output_tok_per_s"] > 0 and hf["prefill_tok_per_s"] > 0 and rep["transformers_bf16_prefill_tok_per_s"] > 0
     assert "targets: output" in r.stdout and "transformers bf16" in r.stdout
     # The machine beside the figures: the CPU, and which kernel each operation ran.
