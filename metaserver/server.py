@@ -8,7 +8,8 @@ Lifecycle: connect to etcd and rebuild the index (retrying while etcd is down, h
 NOT_SERVING meanwhile), serve, and on SIGTERM/SIGINT stop accepting calls, write queued
 changes through to etcd (bounded by shutdown_flush_s) and exit.
 
-Health: "" and "kvpool.v1.MetaService" are SERVING once the index is loaded;
+Health: "" and "kvpool.v1.MetaService" are SERVING once the index is loaded (before that,
+index reads, queries and watches, are UNAVAILABLE: a client moves to another replica);
 "kvpool.v1.MetaService.etcd" is NOT_SERVING while etcd is unreachable (degraded: queries
 are still answered from memory and changes are queued), also while idle: any failed etcd
 call and the store's periodic probe report it (`DurableStore.report_unreachable`,

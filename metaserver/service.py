@@ -99,6 +99,10 @@ class MetaService:
         self.counters = Counters()
         self._watch_task: asyncio.Task[None] | None = None
         self.compactor = HistoryCompactor(etcd, config.etcd_compact_interval_s, config.etcd_compact_keep)
+        # False until start() has rebuilt the index from etcd: the server takes RPCs from the
+        # moment it listens, and an index read before then would answer from an empty index
+        # (a watcher's view would even call that snapshot current).
+        self.loaded = False
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -107,6 +111,7 @@ class MetaService:
         snap = await self.store.load()
         with self.lock:
             self._rebuild(snap)
+            self.loaded = True
         self.store.start()
         self._watch_task = asyncio.create_task(self._follow(snap.revision + 1), name="etcd-watch")
         self.compactor.start()
@@ -374,10 +379,17 @@ class MetaService:
                 removed += 1
         return removed
 
+    def _check_loaded(self) -> None:
+        """Index reads wait for the index: Unavailable (the caller retries, or asks another
+        replica) until start() has loaded it from etcd."""
+        if not self.loaded:
+            raise Unavailable("this replica is still loading the index from etcd; retry or ask another replica")
+
     @reader
     def query(self, namespace: str, hashes: Sequence[bytes], requester: str, sparse: bool = False) -> QueryResult:
         """Longest present prefix (with `sparse`, every block present); never waits for etcd
-        (see BlockIndex.query)."""
+        (see BlockIndex.query). Unavailable before the index is loaded."""
+        self._check_loaded()
         return self._query(namespace, hashes, requester, sparse)
 
     def _query(self, namespace: str, hashes: Sequence[bytes], requester: str, sparse: bool) -> QueryResult:
@@ -394,6 +406,7 @@ class MetaService:
     def query_batch(self, queries: Sequence[tuple[str, Sequence[bytes], str, bool]]) -> list[QueryResult]:
         """Many `query` calls (namespace, hashes, requester, sparse) as one: all checked first,
         so a bad one fails the whole batch and none is answered or counted."""
+        self._check_loaded()
         if len(queries) > MAX_BATCH_QUERIES:
             raise InvalidArgument(f"QueryPrefixBatch takes at most {MAX_BATCH_QUERIES} queries, got {len(queries)}")
         for namespace, hashes, _, _ in queries:
@@ -429,9 +442,11 @@ class MetaService:
     def watch_snapshot(self, namespace: str) -> tuple[str, int, list[NodeRecord], list[BlockLocation],
                                                       dict[NodeId, float]]:
         """A WatchIndex snapshot of the namespace (possibly empty: a node may watch before any
-        node of its namespace registered) and the feed position it is at."""
+        node of its namespace registered) and the feed position it is at. Unavailable before
+        the index is loaded: a snapshot then would be empty, and the watcher's view current."""
         if not namespace or len(namespace) > _MAX_ID_LEN:
             raise InvalidArgument(f"namespace must be 1..{_MAX_ID_LEN} characters")
+        self._check_loaded()
         epoch, seq = self.feed.position()
         return (epoch, seq, *self.index.namespace_state(Namespace(namespace)))
 

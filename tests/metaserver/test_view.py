@@ -2,19 +2,24 @@
 
 It answers as the metaserver does, follows publishes, removals, suspect marks and lease
 expiry, sees only its namespace, resumes a broken stream without a snapshot, takes a new
-snapshot from a restarted replica (new epoch), and says it is not current while its stream
-is silent (a frozen replica).
+snapshot from a restarted replica (new epoch), says it is not current while its stream
+is silent (a frozen replica), and takes no snapshot from a replica still loading its index.
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpool_harness.processes import MetaserverProcess
+from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.client import MetaClient
+from metaserver.errors import Unavailable
 from metaserver.types import BlockHash, BlockRecord
 from metaserver.view import IndexView
 from tests.conftest import wait_for
@@ -119,10 +124,73 @@ def test_a_restarted_replica_sends_a_new_snapshot_and_a_frozen_one_makes_the_vie
             view.close()
 
 
+def _health_answers(address: str, status: int) -> bool:
+    """The replica at `address` answers a health check with `status` (False: no answer yet)."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == status
+        except grpc.RpcError:
+            return False
+
+
+def test_a_replica_still_loading_its_index_answers_no_index_read(
+        etcd: EtcdProcess, metaserver_factory: Callable[..., MetaserverProcess], tmp_path: Path) -> None:
+    """A replica listens before it has loaded the index from etcd (here etcd is down, so it
+    stays loading). Index reads are UNAVAILABLE until then, not answered from an empty index:
+    a query fails (a client moves to another replica), and a watch ends, so a view takes no
+    snapshot (an empty one would be current, its lookups all misses). Once etcd is back the
+    replica loads, and the view takes one snapshot, of every block."""
+    ms = metaserver_factory()
+    with MetaClient(ms.address) as c:
+        c.register_node("n1", "127.0.0.1:9001", 0, CAP, NS, 600)
+        c.publish("n1", recs(range(16)))
+        wait_for(lambda: c.stats().pending_writes == 0)
+    ms.kill()
+    etcd.kill()
+    etcd_down = True
+    ms2 = MetaserverProcess(etcd.endpoint, tmp_path / "loading.log", port=ms.port)
+    errors: list[BaseException] = []
+
+    def start() -> None:  # returns once the replica is SERVING: after etcd is back
+        try:
+            ms2.start(timeout_s=600)
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            errors.append(err)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    try:
+        wait_for(lambda: _health_answers(ms2.address, health_pb2.HealthCheckResponse.NOT_SERVING), timeout_s=120)
+        with MetaClient(ms2.address, timeout_s=5) as c:
+            with pytest.raises(grpc.RpcError) as err:
+                next(iter(c.watch_index(NS)))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in err.value.details()
+            with pytest.raises(Unavailable, match="still loading"):
+                c.query_prefix(NS, chain(16), "reader")
+            view = IndexView(c, NS, "reader")
+            try:
+                # two watches logged: the view's first one ended (UNAVAILABLE) and it tried again
+                log = tmp_path / "loading.log"
+                wait_for(lambda: log.read_text().count("reader watches") >= 2, timeout_s=120)
+                assert view.snapshots == 0 and not view.current() and view.query(chain(16)) is None
+                etcd.start()
+                etcd_down = False
+                starter.join(600)
+                assert not starter.is_alive() and not errors, errors
+                assert view.wait_current(120) and view.snapshots == 1
+                assert view.query(chain(16)).num_matched == 16
+                assert c.query_prefix(NS, chain(16), "reader").num_matched == 16
+            finally:
+                view.close()
+    finally:
+        if etcd_down:
+            etcd.start()
+        starter.join(600)
+        ms2.stop()
+
+
 @pytest.mark.parametrize("empty", [True, False])
 def test_the_rpc_rejects_a_bad_namespace(metaserver: MetaserverProcess, empty: bool) -> None:
-    import grpc
-
     with MetaClient(metaserver.address) as c:
         stream = c.watch_index("" if empty else "x" * 300)
         with pytest.raises(grpc.RpcError) as err:
