@@ -15,6 +15,15 @@ from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from kvpool_harness.vllm_node import VllmProcess, export_model
 
 
+def health_status(address: str, service: str = "") -> int:
+    """grpc.health.v1's status of `service` at `address` (raises grpc.RpcError if it does not answer)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
 def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.01) -> object:
     """Poll `predicate` until it returns a truthy value; fail the test at the deadline."""
     deadline = time.monotonic() + timeout_s

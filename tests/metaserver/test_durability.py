@@ -4,15 +4,14 @@ from __future__ import annotations
 import threading
 import time
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvpool_harness.processes import EtcdProcess
 from metaserver.client import MetaClient, NodeSession
 from metaserver.errors import FailedPrecondition, MetaError
 from metaserver.types import BlockHash, BlockRecord
-from tests.conftest import wait_for
+from tests.conftest import health_status, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +37,6 @@ def matched(c: MetaClient, ids) -> int:
 def flushed(c: MetaClient) -> bool:
     s = c.stats()
     return s.etcd_healthy and s.pending_writes == 0
-
-
-def health_status(address: str, service: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill-after-flush"])

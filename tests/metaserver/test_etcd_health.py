@@ -11,9 +11,8 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 import metaserver.store as store_mod
 from kvpool_harness.processes import EtcdProcess
@@ -23,7 +22,7 @@ from metaserver.errors import Unavailable
 from metaserver.etcd import EtcdUnavailable, KeyValue, Op
 from metaserver.service import MetaService
 from metaserver.types import BlockHash, BlockRecord
-from tests.conftest import wait_for
+from tests.conftest import health_status, wait_for
 
 NS = "ns-health"
 CAP = 1 << 30
@@ -193,9 +192,7 @@ def test_queries_never_wait_for_a_hanging_probe() -> None:
 # ---- a real etcd killed under an idle metaserver ---------------------------------------------
 
 def _health(address: str) -> int:
-    with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="kvpool.v1.MetaService.etcd"), timeout=5).status
+    return health_status(address, "kvpool.v1.MetaService.etcd")
 
 
 @pytest.mark.slow

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvpool_harness.processes import EtcdProcess, MetaserverProcess
 from metaserver.client import MetaClient
 from metaserver.errors import Unavailable
 from metaserver.types import BlockHash, BlockRecord
 from metaserver.view import IndexView
-from tests.conftest import wait_for
+from tests.conftest import health_status, wait_for
 
 NS, OTHER = "ns-view", "ns-other"
 CAP = 1 << 30
@@ -126,11 +126,10 @@ def test_a_restarted_replica_sends_a_new_snapshot_and_a_frozen_one_makes_the_vie
 
 def _health_answers(address: str, status: int) -> bool:
     """The replica at `address` answers a health check with `status` (False: no answer yet)."""
-    with grpc.insecure_channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == status
-        except grpc.RpcError:
-            return False
+    try:
+        return health_status(address) == status
+    except grpc.RpcError:
+        return False
 
 
 def test_a_replica_still_loading_its_index_answers_no_index_read(
