@@ -10,8 +10,8 @@
  *   base + b * block_stride + L * layer_stride + t * token_stride + h * head_dim + d,
  * and V is `v_offset` elements further. All strides are in elements (float32).
  * q: [tokens, heads, head_dim] with row stride q_stride; out: [tokens, heads, head_dim] contiguous.
- * Work items (sequence, KV head), or whole sequences (the AVX2 kernel, given many), are spread
- * over the OpenMP threads (torch's own runtime: the library is loaded into a process that
+ * Work items (sequence, KV head), or whole sequences (given many: `attend_seq` with AVX-512,
+ * the AVX2 `attend_g3`), are spread over the OpenMP threads (torch's own runtime: the library is loaded into a process that
  * already holds torch's libgomp).
  *
  * Two implementations of one item: `attend_g3` in intrinsics (AVX-512, or AVX2 with FMA) for
@@ -27,7 +27,7 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
-#define MAX_KV_HEADS 4  /* KV heads one AVX2 work item takes at most */
+#define MAX_KV_HEADS 4  /* KV heads a whole-sequence work item takes at most */
 
 /* One (sequence, KV head). Inlined into callers with constant head_dim / group, so the common
  * shapes get fixed trip counts (unrolled, vectorized loops); exp is libmvec's vector expf
@@ -198,6 +198,26 @@ static inline __attribute__((always_inline)) float softmax_chunk(float *sc, int6
     return c;
 }
 
+/* Blocks scored together by the whole-sequence kernel: IL blocks' K rows read interleaved (row t
+ * of each, then row t + 1), IL sequential streams at once, which the L2 streamer keeps ahead of
+ * where one block after another, each a new 12 KB run, leaves it behind. A key's score does not
+ * depend on the order the keys are scored in; V is added block by block, in key order. */
+#define IL 4
+
+/* The chunk's blocks jj0.. (at most IL, inside its nb): their rows' start in `rows` (kbase is K's
+ * or V's base) and their key counts in n; returns how many. */
+static inline __attribute__((always_inline)) int group_blocks(const float *kbase, int64_t block_stride,
+                                                              const int64_t *table, int64_t ctx, int64_t j0,
+                                                              int64_t jj0, int64_t nb, const float **rows, int *n) {
+    const int ng = nb - jj0 < IL ? (int)(nb - jj0) : IL;
+    for (int b = 0; b < ng; b++) {
+        const int64_t j = j0 + jj0 + b;
+        rows[b] = kbase + table[j] * block_stride;
+        n[b] = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+    }
+    return ng;
+}
+
 /* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. Two passes over each
  * chunk of CHUNK_BLOCKS blocks: every key's score first (K pass), then one softmax over the
  * chunk, then the weighted V sum (V pass); chunks fold into a running max and sum as
@@ -252,6 +272,101 @@ static void attend_g3(const float *kbase, int64_t v_offset, int64_t block_stride
     for (int g = 0; g < 3; g++) {
         const __m512 inv = _mm512_set1_ps(1.f / l[g]);
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* One whole sequence: its nh (1..MAX_KV_HEADS) KV heads, 3 query heads each, for batches with
+ * enough sequences to keep the threads busy. A block's token rows hold every KV head side by
+ * side (768 bytes for 3), read whole (K: IL blocks at a time, row by row); a KV head per item
+ * reads 256 of every 768 bytes, one block after another (docs/BENCHMARKS.md, "Decode attention:
+ * a whole sequence per work item"). The arithmetic is attend_g3's for each head (its products,
+ * sums, chunks and V order), so a sequence gets the same bits from either kernel, whatever its
+ * batch. The queries live in L1 (9 x 64 do not fit the registers beside the rest); V is summed
+ * for two KV heads at a time (24 accumulators in registers). */
+static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
+                       const int64_t *table, int64_t ctx, const float *qs, float *o, float scale, int nh,
+                       __m512i order) {
+    float q[MAX_KV_HEADS * 3][64] __attribute__((aligned(64))), acc[MAX_KV_HEADS * 3][64] __attribute__((aligned(64)));
+    float mx[MAX_KV_HEADS * 3], l[MAX_KV_HEADS * 3];
+    float sc[MAX_KV_HEADS * 3][CHUNK_BLOCKS * 16] __attribute__((aligned(64)));
+    float part[IL][MAX_KV_HEADS * 3][16][16] __attribute__((aligned(64)));  /* as score_block's, per block */
+    const int nq = nh * 3;
+    for (int g = 0; g < nq; g++) {
+        for (int d = 0; d < 64; d++) {
+            q[g][d] = qs[g * 64 + d] * scale;
+            acc[g][d] = 0.f;
+        }
+        mx[g] = -3.0e38f;
+        l[g] = 0.f;
+    }
+    const int64_t nblocks = (ctx + 15) / 16;
+    for (int64_t j0 = 0; j0 < nblocks; j0 += CHUNK_BLOCKS) {
+        const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
+        const int64_t nt = (j0 + nb) * 16 < ctx ? nb * 16 : ctx - j0 * 16;  /* keys in the chunk */
+        for (int64_t jj0 = 0; jj0 < nb; jj0 += IL) {
+            const float *kb[IL];
+            int n[IL];
+            const int ng = group_blocks(kbase, block_stride, table, ctx, j0, jj0, nb, kb, n);
+            for (int t = 0; t < 16; t++)
+                for (int b = 0; b < ng; b++) {
+                    if (t >= n[b]) {  /* slots past ctx are never read (they may hold garbage) */
+                        for (int g = 0; g < nq; g++) _mm512_store_ps(part[b][g][t], _mm512_setzero_ps());
+                        continue;
+                    }
+                    for (int h = 0; h < nh; h++) {
+                        __m512 k0, k1, k2, k3;
+                        load_row64(kb[b] + t * token_stride + h * 64, &k0, &k1, &k2, &k3);
+                        for (int gg = 0; gg < 3; gg++) {  /* score_block's products, in its order */
+                            const float *qq = q[h * 3 + gg];
+                            __m512 s = _mm512_mul_ps(_mm512_load_ps(qq), k0);
+                            s = _mm512_fmadd_ps(_mm512_load_ps(qq + 16), k1, s);
+                            s = _mm512_fmadd_ps(_mm512_load_ps(qq + 32), k2, s);
+                            s = _mm512_fmadd_ps(_mm512_load_ps(qq + 48), k3, s);
+                            _mm512_store_ps(part[b][h * 3 + gg][t], s);
+                        }
+                    }
+                }
+            for (int b = 0; b < ng; b++)
+                for (int g = 0; g < nq; g++) {
+                    __m512 v[16];
+                    for (int t = 0; t < 16; t++) v[t] = _mm512_load_ps(part[b][g][t]);
+                    _mm512_store_ps(sc[g] + (jj0 + b) * 16, _mm512_permutexvar_ps(order, sum16(v)));
+                }
+        }
+        for (int g = 0; g < nq; g++) {
+            const __m512 c = _mm512_set1_ps(softmax_chunk(sc[g], nt, &mx[g], &l[g]));
+            for (int cc = 0; cc < 4; cc++)
+                _mm512_store_ps(acc[g] + cc * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + cc * 16), c));
+        }
+        for (int64_t jj = 0; jj < nb; jj++) {  /* keys in order, as attend_g3 adds them */
+            const int64_t j = j0 + jj;
+            const float *vb = kbase + table[j] * block_stride + v_offset;
+            const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            for (int h0 = 0; h0 < nh; h0 += 2) {
+                const int heads = h0 + 1 < nh ? 2 : 1;
+                __m512 a[6][4];
+                for (int g = 0; g < 3 * heads; g++)
+                    for (int c = 0; c < 4; c++) a[g][c] = _mm512_load_ps(acc[h0 * 3 + g] + c * 16);
+                for (int t = 0; t < n; t++)
+                    for (int hh = 0; hh < heads; hh++) {
+                        __m512 v0, v1, v2, v3;
+                        load_row64(vb + t * token_stride + (h0 + hh) * 64, &v0, &v1, &v2, &v3);
+                        for (int g = hh * 3; g < hh * 3 + 3; g++) {
+                            const __m512 w = _mm512_set1_ps(sc[h0 * 3 + g][jj * 16 + t]);
+                            a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+                            a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+                            a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+                            a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+                        }
+                    }
+                for (int g = 0; g < 3 * heads; g++)
+                    for (int c = 0; c < 4; c++) _mm512_store_ps(acc[h0 * 3 + g] + c * 16, a[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < nq; g++) {
+        const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), inv));
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -466,7 +581,11 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
      * the threads busy (attend_g3 reads its blocks' rows whole; fewer, unequal sequences left a
      * thread idle), else one */
     int64_t per = 1;
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#ifdef __AVX512F__
+    if (group == 3 && head_dim == 64 && block_size == 16 && num_kv_heads <= MAX_KV_HEADS &&
+        token_stride == num_kv_heads * head_dim && num_seqs >= 8 * omp_get_max_threads())
+        per = num_kv_heads;  /* attend_seq */
+#elif defined(__AVX2__) && defined(__FMA__)
     if (group == 3 && head_dim == 64 && block_size == 16 && num_kv_heads <= MAX_KV_HEADS &&
         num_seqs >= 8 * omp_get_max_threads())
         per = num_kv_heads;
@@ -479,6 +598,11 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
         const float *qs = q + rows[s] * q_stride + h * group * head_dim;
         float *o = out + rows[s] * heads * head_dim + h * group * head_dim;
 #ifdef __AVX512F__
+        if (per > 1) {
+            attend_seq(base + layer_offset, v_offset, block_stride, token_stride, table, ctx, qs, o, scale,
+                       (int)per, order);
+            continue;
+        }
         if (group == 3 && head_dim == 64 && block_size == 16) {  /* SmolLM2-135M, the default block */
             attend_g3(base + layer_offset + h * head_dim, v_offset, block_stride, token_stride, table, ctx, qs, o,
                       scale, order);
