@@ -11,8 +11,8 @@
  * and V is `v_offset` elements further. All strides are in elements (float32).
  * q: [tokens, heads, head_dim] with row stride q_stride; out: [tokens, heads, head_dim] contiguous.
  * Work items (sequence, KV head), or whole sequences (given many: `attend_seq` with AVX-512,
- * the AVX2 `attend_g3`), are spread over the OpenMP threads (torch's own runtime: the library is loaded into a process that
- * already holds torch's libgomp).
+ * the AVX2 `attend_g3`), are spread over the OpenMP threads (torch's own runtime: the library
+ * is loaded into a process that already holds torch's libgomp).
  *
  * Two implementations of one item: `attend_g3` in intrinsics (AVX-512, or AVX2 with FMA) for
  * groups of 3 query heads, head_dim 64 and 16-token blocks (SmolLM2-135M's shapes with the
@@ -366,7 +366,8 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
     }
     for (int g = 0; g < nq; g++) {
         const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), inv));
+        for (int c = 0; c < 4; c++)
+            _mm512_storeu_ps(o + g * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), inv));
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -577,9 +578,9 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
 #ifdef __AVX512F__
     const __m512i order = sum_order();
 #endif
-    /* KV heads per item: all of a sequence's for the AVX2 kernel where the sequences alone keep
-     * the threads busy (attend_g3 reads its blocks' rows whole; fewer, unequal sequences left a
-     * thread idle), else one */
+    /* KV heads per item: all of a sequence's where the sequences alone keep the threads busy
+     * (attend_seq, or the AVX2 attend_g3: each reads its blocks' rows whole; fewer, unequal
+     * sequences left a thread idle), else one */
     int64_t per = 1;
 #ifdef __AVX512F__
     if (group == 3 && head_dim == 64 && block_size == 16 && num_kv_heads <= MAX_KV_HEADS &&
