@@ -16,6 +16,7 @@ reasons counted in B's log, and whether B's answers matched A's (greedy, same to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -63,15 +64,28 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def _keep_busy(node, seed: int, stop: threading.Event) -> None:  # noqa: ANN001  # a VllmProcess
-    """Other requests to `node` until `stop` (fresh prompts: computed, never loaded)."""
+def _keep_busy(node, seed: int, stop: threading.Event, gate: threading.Lock) -> None:  # noqa: ANN001  # a VllmProcess
+    """Other requests to `node` until `stop` (fresh prompts: computed, never loaded), each one
+    under `gate`, which the round holds while it needs the node's publishes to be its own."""
     k = 0
     while not stop.is_set():
         k += 1
         try:
-            node.complete(_tokens(seed * 100003 + k, 300), 32)
+            with gate:
+                node.complete(_tokens(seed * 100003 + k, 300), 32)
         except (OSError, RuntimeError):
             return
+
+
+def _settled(node, name: str, quiet_s: float = 2.0, limit_s: float = 60.0) -> float:  # noqa: ANN001
+    """`node`'s metric once it has not moved for `quiet_s` (at most `limit_s`)."""
+    value, since, end = node.metric(name), time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() - since < quiet_s and time.monotonic() < end:
+        time.sleep(0.25)
+        now = node.metric(name)
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def _reasons(log: Path, start: int) -> Counter[str]:
@@ -107,7 +121,8 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
             b.wait_ready(600)
             burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)]
             stop = threading.Event()
-            busy = [threading.Thread(target=_keep_busy, args=(node, 7919 * k + i, stop), daemon=True)
+            gates = [[threading.Lock() for _ in range(args.busy_clients)] for _ in (a, b)]
+            busy = [threading.Thread(target=_keep_busy, args=(node, 7919 * k + i, stop, gates[k][i]), daemon=True)
                     for k, node in enumerate((a, b)) for i in range(args.busy_clients)]
             for t in busy:
                 t.start()
@@ -119,10 +134,18 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
             t0 = time.monotonic()
             for r in range(args.rounds):
                 prompt = _tokens(1000 * progress_s + r, args.blocks * BS + 40)
-                ref = a.complete(prompt + [13], 8)["choices"][0]["token_ids"]
-                deadline = time.monotonic() + 60  # A's saves reach the index asynchronously
-                while a.metric("kvpool:pool_published_total") < (r + 1) * args.blocks and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                # A's busy clients publish too: paused (their last publishes landed) until the
+                # round's own blocks are in the index, which A's saves reach asynchronously; a
+                # count of all A's publishes let B look up before them (1 of 4 blocks offered).
+                with contextlib.ExitStack() as paused:
+                    for gate in gates[0]:
+                        paused.enter_context(gate)
+                    published = _settled(a, "kvpool:pool_published_total")
+                    ref = a.complete(prompt + [13], 8)["choices"][0]["token_ids"]
+                    deadline = time.monotonic() + 60
+                    while a.metric("kvpool:pool_published_total") < published + args.blocks and \
+                            time.monotonic() < deadline:
+                        time.sleep(0.2)
                 stall = args.stall_every and r % args.stall_every == args.stall_every - 1
                 if stall:  # A stops answering as B's request arrives, for stall_s
                     os.killpg(a.pid, signal.SIGSTOP)
