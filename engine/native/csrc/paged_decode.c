@@ -204,20 +204,6 @@ static inline __attribute__((always_inline)) float softmax_chunk(float *sc, int6
  * depend on the order the keys are scored in; V is added block by block, in key order. */
 #define IL 4
 
-/* The chunk's blocks jj0.. (at most IL, inside its nb): their rows' start in `rows` (kbase is K's
- * or V's base) and their key counts in n; returns how many. */
-static inline __attribute__((always_inline)) int group_blocks(const float *kbase, int64_t block_stride,
-                                                              const int64_t *table, int64_t ctx, int64_t j0,
-                                                              int64_t jj0, int64_t nb, const float **rows, int *n) {
-    const int ng = nb - jj0 < IL ? (int)(nb - jj0) : IL;
-    for (int b = 0; b < ng; b++) {
-        const int64_t j = j0 + jj0 + b;
-        rows[b] = kbase + table[j] * block_stride;
-        n[b] = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
-    }
-    return ng;
-}
-
 /* One (sequence, KV head) for 3 query heads, head_dim 64, 16-token blocks. Two passes over each
  * chunk of CHUNK_BLOCKS blocks: every key's score first (K pass), then one softmax over the
  * chunk, then the weighted V sum (V pass); chunks fold into a running max and sum as
@@ -304,9 +290,14 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
         const int64_t nb = nblocks - j0 < CHUNK_BLOCKS ? nblocks - j0 : CHUNK_BLOCKS;
         const int64_t nt = (j0 + nb) * 16 < ctx ? nb * 16 : ctx - j0 * 16;  /* keys in the chunk */
         for (int64_t jj0 = 0; jj0 < nb; jj0 += IL) {
+            const int ng = nb - jj0 < IL ? (int)(nb - jj0) : IL;  /* the group's blocks */
             const float *kb[IL];
             int n[IL];
-            const int ng = group_blocks(kbase, block_stride, table, ctx, j0, jj0, nb, kb, n);
+            for (int b = 0; b < ng; b++) {
+                const int64_t j = j0 + jj0 + b;
+                kb[b] = kbase + table[j] * block_stride;
+                n[b] = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            }
             for (int t = 0; t < 16; t++)
                 for (int b = 0; b < ng; b++) {
                     if (t >= n[b]) {  /* slots past ctx are never read (they may hold garbage) */
