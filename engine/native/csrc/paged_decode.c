@@ -333,12 +333,18 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
             const int64_t j = j0 + jj;
             const float *vb = kbase + table[j] * block_stride + v_offset;
             const int n = ctx - j * 16 < 16 ? (int)(ctx - j * 16) : 16;
+            /* The next block's V (elsewhere in memory: the L2 streamer starts on it only after
+             * a few misses), prefetched whole, a row for each row read in the first pair's walk */
+            const char *next = jj + 1 < nb ? (const char *)(kbase + table[j + 1] * block_stride + v_offset) : 0;
             for (int h0 = 0; h0 < nh; h0 += 2) {
                 const int heads = h0 + 1 < nh ? 2 : 1;
                 __m512 a[6][4];
                 for (int g = 0; g < 3 * heads; g++)
                     for (int c = 0; c < 4; c++) a[g][c] = _mm512_load_ps(acc[h0 * 3 + g] + c * 16);
-                for (int t = 0; t < n; t++)
+                for (int t = 0; t < n; t++) {
+                    if (h0 == 0 && next)
+                        for (int64_t c = 0; c < token_stride * (int64_t)sizeof(float); c += 64)
+                            _mm_prefetch(next + t * token_stride * (int64_t)sizeof(float) + c, _MM_HINT_T0);
                     for (int hh = 0; hh < heads; hh++) {
                         __m512 v0, v1, v2, v3;
                         load_row64(vb + t * token_stride + (h0 + hh) * 64, &v0, &v1, &v2, &v3);
@@ -350,6 +356,7 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
                             a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
                         }
                     }
+                }
                 for (int g = 0; g < 3 * heads; g++)
                     for (int c = 0; c < 4; c++) _mm512_store_ps(acc[h0 * 3 + g] + c * 16, a[g][c]);
             }
