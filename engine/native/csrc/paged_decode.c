@@ -336,6 +336,7 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
             /* The next block's V (elsewhere in memory: the L2 streamer starts on it only after
              * a few misses), prefetched whole, a row for each row read in the first pair's walk */
             const char *next = jj + 1 < nb ? (const char *)(kbase + table[j + 1] * block_stride + v_offset) : 0;
+            const int64_t row_bytes = token_stride * (int64_t)sizeof(float);
             for (int h0 = 0; h0 < nh; h0 += 2) {
                 const int heads = h0 + 1 < nh ? 2 : 1;
                 __m512 a[6][4];
@@ -343,8 +344,7 @@ static void attend_seq(const float *kbase, int64_t v_offset, int64_t block_strid
                     for (int c = 0; c < 4; c++) a[g][c] = _mm512_load_ps(acc[h0 * 3 + g] + c * 16);
                 for (int t = 0; t < n; t++) {
                     if (h0 == 0 && next)
-                        for (int64_t c = 0; c < token_stride * (int64_t)sizeof(float); c += 64)
-                            _mm_prefetch(next + t * token_stride * (int64_t)sizeof(float) + c, _MM_HINT_T0);
+                        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(next + t * row_bytes + c, _MM_HINT_T0);
                     for (int hh = 0; hh < heads; hh++) {
                         __m512 v0, v1, v2, v3;
                         load_row64(vb + t * token_stride + (h0 + hh) * 64, &v0, &v1, &v2, &v3);
