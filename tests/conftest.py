@@ -3,6 +3,7 @@ vLLM server alone (no plug-in) as the session's reference."""
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,13 +69,37 @@ def running(procs: dict[str, Any], timeout_s: float, later: tuple[str, ...] = ()
                 p.stop()
 
 
+SESSION_PREFIX = "session-"  # the folders of session fixtures: `module_folders_removed` keeps them
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_folders_removed(request: pytest.FixtureRequest,
+                           tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Remove the folders a module's fixtures made (`tmp_path_factory.mktemp`) once the module
+    is done, unless one of its tests failed (its logs are then kept). Autouse and module-scoped,
+    so it is set up before the module's other fixtures and torn down after them. pytest's
+    `tmp_path_retention_policy = "failed"` does this for `tmp_path` alone; without it a run
+    leaves ~11 GB (an etcd WAL alone preallocates 61 MB), more than a CI machine may have free.
+    A session fixture's folder, made in whichever module first asks for it, is named with
+    SESSION_PREFIX and kept."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    for path in set(base.iterdir()) - before:
+        if path.is_dir() and not path.name.startswith(SESSION_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def vllm_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """vLLM without the plug-in: the reference the vLLM tests compare answers with, one server
     for the whole session. Started, not waited for: the first module's fixture waits for it
     beside its own nodes (`running(..., shared=...)`), so their starts overlap. One thread on
     core 0: the nodes under test (one core each) compute beside it."""
-    proc = VllmProcess(tmp_path_factory.mktemp("vllm-alone") / "C.log", export_model(), "vllm-c", cpus="0",
+    proc = VllmProcess(tmp_path_factory.mktemp(SESSION_PREFIX + "vllm-alone") / "C.log", export_model(), "vllm-c", cpus="0",
                        uni_executor=True).start()
     yield proc
     proc.stop()
