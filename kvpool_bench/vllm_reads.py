@@ -130,9 +130,10 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
             names = ("vllm:external_prefix_cache_hits_total", "kvpool:connector_loaded_blocks_total",
                      "kvpool:connector_failed_blocks_total")
             before = {n: b.metric(n) for n in names}
-            same = 0
+            same, waits = 0, []
             t0 = time.monotonic()
             for r in range(args.rounds):
+                t_round = time.monotonic()
                 prompt = _tokens(1000 * progress_s + r, args.blocks * BS + 40)
                 # A's busy clients publish too: paused (their last publishes landed) until the
                 # round's own blocks are in the index, which A's saves reach asynchronously; a
@@ -146,12 +147,15 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
                     while a.metric("kvpool:pool_published_total") < published + args.blocks and \
                             time.monotonic() < deadline:
                         time.sleep(0.2)
+                t_ready = time.monotonic()  # A's busy clients paused, its answer given and published
                 stall = args.stall_every and r % args.stall_every == args.stall_every - 1
                 if stall:  # A stops answering as B's request arrives, for stall_s
                     os.killpg(a.pid, signal.SIGSTOP)
                     threading.Timer(args.stall_s, os.killpg, (a.pid, signal.SIGCONT)).start()
                 got = b.complete(prompt + [13], 8)["choices"][0]["token_ids"]
                 same += got == ref
+                # where a round's time goes: getting A ready, then B's answer
+                waits.append([round(t_ready - t_round, 1), round(time.monotonic() - t_ready, 1)])
             out["seconds"] = round(time.monotonic() - t0, 1)
             deadline = time.monotonic() + 30  # the connector's counters reach /metrics after the step
             while time.monotonic() < deadline:
@@ -162,7 +166,8 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
                 time.sleep(0.5)
             out.update(offered=int(after[names[0]] - before[names[0]]) // BS,
                        loaded=int(after[names[1]] - before[names[1]]), failed=int(after[names[2]] - before[names[2]]),
-                       same_answers=same, rounds=args.rounds, reasons=dict(_reasons(b.log_path, log_start)))
+                       same_answers=same, rounds=args.rounds, reasons=dict(_reasons(b.log_path, log_start)),
+                       round_s=waits)
         finally:
             stop.set()
             for t in busy:
@@ -200,5 +205,7 @@ def main(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['progress_timeout_s']:>10}/{r['transfer_timeout_s']:<11} {r['offered']:>8} {r['loaded']:>7} "
               f"{r['failed']:>7} {r['same_answers']:>6}/{r['rounds']:<6} {r['seconds']:>8}  {r['reasons'] or '-'}")
+        print(f"{'':>22} each round, s (A ready + B's answer): "
+              + " ".join(f"{ready:g}+{answer:g}" for ready, answer in r["round_s"]))
     (run_dir / "result.json").write_text(json.dumps(results, indent=1))
     return 0

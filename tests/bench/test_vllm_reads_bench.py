@@ -31,3 +31,4 @@ def test_every_offered_block_loads_under_contention_and_stalls(tmp_path: Path) -
     assert result["offered"] >= 6 * 4 - 4, result
     assert result["loaded"] == result["offered"] and result["failed"] == 0, result
     assert result["same_answers"] == result["rounds"] == 6, result
+    assert len(result["round_s"]) == 6 and "each round, s (A ready + B's answer)" in run.stdout, run.stdout
