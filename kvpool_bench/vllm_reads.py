@@ -77,12 +77,21 @@ def _keep_busy(node, seed: int, stop: threading.Event, gate: threading.Lock) -> 
             return
 
 
+def _metric_now(node, name: str) -> float:  # noqa: ANN001  # a VllmProcess
+    """`node`'s connector counter as of now. vLLM sends the connector's counters to /metrics
+    with a step's output, and a publish acknowledged after a request's last step waits for the
+    next one: on an idle node it would wait for ever. So first a step: a one-token request on a
+    prompt shorter than a block (it saves and publishes nothing)."""
+    node.complete(_tokens(random.randrange(1 << 30), BS // 16), 1)
+    return node.metric(name)
+
+
 def _settled(node, name: str, quiet_s: float = 2.0, limit_s: float = 60.0) -> float:  # noqa: ANN001
-    """`node`'s metric once it has not moved for `quiet_s` (at most `limit_s`)."""
-    value, since, end = node.metric(name), time.monotonic(), time.monotonic() + limit_s
+    """`node`'s connector counter once it has not moved for `quiet_s` (at most `limit_s`)."""
+    value, since, end = _metric_now(node, name), time.monotonic(), time.monotonic() + limit_s
     while time.monotonic() - since < quiet_s and time.monotonic() < end:
         time.sleep(0.25)
-        now = node.metric(name)
+        now = _metric_now(node, name)
         if now != value:
             value, since = now, time.monotonic()
     return value
@@ -144,7 +153,7 @@ def run_config(run: Path, progress_s: int, transfer_s: int, args: argparse.Names
                     published = _settled(a, "kvpool:pool_published_total")
                     ref = a.complete(prompt + [13], 8)["choices"][0]["token_ids"]
                     deadline = time.monotonic() + 60
-                    while a.metric("kvpool:pool_published_total") < published + args.blocks and \
+                    while _metric_now(a, "kvpool:pool_published_total") < published + args.blocks and \
                             time.monotonic() < deadline:
                         time.sleep(0.2)
                 t_ready = time.monotonic()  # A's busy clients paused, its answer given and published
