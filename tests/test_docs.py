@@ -1,4 +1,5 @@
-"""The README's and docs/*.md's relative links and anchors resolve (as GitHub renders them)."""
+"""The README's and docs/*.md's relative links and anchors resolve (as GitHub renders them), and
+docs/METRICS.md lists the vLLM plug-in's counters."""
 from __future__ import annotations
 
 import re
@@ -49,3 +50,17 @@ def test_relative_links_and_anchors_resolve(doc: Path) -> None:
         elif frag and target.suffix == ".md" and frag not in anchors(target):
             broken.append(f"{link}: no such heading")
     assert not broken, f"{doc.relative_to(ROOT)}: {broken}"
+
+
+def test_every_vllm_plugin_counter_is_documented() -> None:
+    """docs/METRICS.md lists each counter the vLLM plug-in registers (`PROM_COUNTERS`, read from
+    the source: importing the plug-in needs vLLM, which this environment does not have)."""
+    import ast
+
+    tree = ast.parse((ROOT / "connector" / "vllm_plugin.py").read_text())
+    (table,) = [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "PROM_COUNTERS" for t in node.targets)]
+    keys = [ast.literal_eval(k) for k in table.keys]
+    assert len(keys) >= 10, keys
+    documented = (ROOT / "docs" / "METRICS.md").read_text()
+    assert [k for k in keys if f"`kvpool:{k}_total`" not in documented] == []
