@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -28,6 +29,13 @@ def default_spin_count() -> None:
     if SPIN_ENV not in os.environ:
         os.environ[SPIN_ENV] = SPIN_DEFAULT
         os.environ["KVPOOL_DEFAULTED_" + SPIN_ENV] = "1"
+
+
+def stop_children_on_sigterm() -> None:
+    """SIGTERM ends a process without running its `finally` blocks, and a benchmark's stop its
+    etcd, metaservers and engines there: as SystemExit, it unwinds them and the children stop
+    with it instead of running on, orphaned."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         from metaserver import admin
 
         return admin.main(args)
+    if args.cmd in ("bench", "demo"):
+        stop_children_on_sigterm()
     if args.cmd == "bench":
         from kvpool_bench import (chaos, connector_bench, cross_node, disk_bench, engine_bench, kernels_bench,
                                   lookup_bench, metaserver_bench, pd_bench, soak, spec_bench, transfer_bench,

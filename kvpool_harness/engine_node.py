@@ -94,7 +94,8 @@ class EngineProcess(ChildProcess):
         return self
 
     def __enter__(self) -> EngineProcess:
-        return self.start().wait_ready()
+        self.start().ready_or_stopped(self.wait_ready)
+        return self
 
     def complete(self, prompt: list[int] | str, max_tokens: int = 16, **fields: object) -> dict:
         """A greedy /v1/completions call; raises on a non-200 answer."""

@@ -8,6 +8,7 @@ that take a member or the quorum away (`kvpool bench chaos`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -15,8 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +34,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """A SIGTERM that arrives while a child is spawned takes effect once it is recorded: raised
+    between the fork and `self.proc = ...` (a benchmark's SIGTERM is a SystemExit,
+    kvpool_cli.main), it would leave the child running with nothing to stop it. Python runs
+    signal handlers in the main thread only, so elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if arrived:
+            signal.raise_signal(signal.SIGTERM)
 
 
 class EtcdProcess:
@@ -63,7 +85,11 @@ class EtcdProcess:
 
     def start(self, timeout_s: float = 15.0) -> EtcdProcess:
         self.launch()
-        self._wait_healthy(timeout_s)
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:  # a SystemExit from SIGTERM too: nothing else would stop it
+            self.stop()
+            raise
         assert self.proc is not None
         log.info("etcd pid %d serving on %s", self.proc.pid, self.endpoint)
         return self
@@ -89,7 +115,7 @@ class EtcdProcess:
             args += ["--heartbeat-interval", "10", "--election-timeout", "100"]
         args += list(self.extra_args)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
+        with open(self.log_path, "ab") as logf, sigterm_held():
             self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, **self.env} if self.env else None)
 
@@ -231,13 +257,22 @@ class ChildProcess:
         child_env = None
         if env or drop_env:
             child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop_env}
-        with open(self.log_path, "ab") as logf:
+        with open(self.log_path, "ab") as logf, sigterm_held():
             self.proc = subprocess.Popen([python, "-m", module, *args], stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=child_env, start_new_session=own_group)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def ready_or_stopped(self, wait: Callable[[], object]) -> None:
+        """`wait()` for the spawned child to be ready; if that fails in any way (a timeout, a
+        SystemExit from SIGTERM), stop the child first: no `with` block holds it yet."""
+        try:
+            wait()
+        except BaseException:
+            self.stop()
+            raise
 
     def kill(self) -> None:
         """SIGKILL: a crash (of the whole process group the child leads, with `own_group`)."""
@@ -298,9 +333,8 @@ class MetaserverProcess(ChildProcess):
                     "--etcd", self.etcd_endpoints, *self.extra_args],
                    env=self.env, module="metaserver")
         try:
-            wait_serving(self.address, timeout_s, security=self.security)
+            self.ready_or_stopped(lambda: wait_serving(self.address, timeout_s, security=self.security))
         except TimeoutError:
-            self.kill()
             raise RuntimeError(f"metaserver on {self.address} not ready; see {self.log_path}") from None
         return self
 

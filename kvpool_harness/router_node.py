@@ -37,7 +37,7 @@ class RouterProcess(ChildProcess):
 
     def start(self, timeout_s: float = 120.0) -> RouterProcess:
         self.spawn(self.command())
-        wait_healthy(self, "router", timeout_s)
+        self.ready_or_stopped(lambda: wait_healthy(self, "router", timeout_s))
         return self
 
     def __enter__(self) -> RouterProcess:
@@ -68,13 +68,15 @@ class VllmRouterProcess(ChildProcess):
                     "--policy", self.policy, "--prometheus-host", "127.0.0.1",
                     "--prometheus-port", str(free_port()), "--log-level", "warning"],
                    module="vllm_router.launch_router", python=str(python), own_group=True)
+        self.ready_or_stopped(lambda: self._wait_healthy(timeout_s))
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._healthy():  # its /health answers plain text, not JSON
             if not self.alive() or time.monotonic() > deadline:
-                self.kill()
                 raise RuntimeError(f"vllm-router not ready within {timeout_s:g}s; see {self.log_path}")
             time.sleep(0.1)
-        return self
 
     def _healthy(self) -> bool:
         try:

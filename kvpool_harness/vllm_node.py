@@ -135,7 +135,8 @@ class VllmProcess(ChildProcess):
         return self
 
     def __enter__(self) -> VllmProcess:
-        return self.start().wait_ready()
+        self.start().ready_or_stopped(self.wait_ready)
+        return self
 
     def metric(self, name: str) -> float:
         """A Prometheus counter from this server's /metrics (see `scrape`)."""

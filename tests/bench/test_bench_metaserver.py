@@ -38,3 +38,37 @@ def test_other_cpu_does_not_count_our_own_work() -> None:
     other = meter.stop()
     assert other is not None and 0 <= other < 2.5
     assert OtherCpu([]).stop() is None  # never started
+
+
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids |= {int(k) for k in (task / "children").read_text().split()}
+    return kids
+
+
+def _running(pid: int) -> bool:
+    """Not exited (a zombie nobody has reaped yet has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc")
+def test_a_bench_sent_sigterm_stops_its_servers(tmp_path: Path) -> None:
+    """`kill PID` of a running bench stops the etcd and metaserver it started, not only itself."""
+    from tests.conftest import wait_for
+
+    bench = subprocess.Popen([sys.executable, "-m", "kvpool_cli", "--log-level", "WARNING", "bench", "metaserver",
+                              "--chains", "20", "--loads", "100", "--seconds", "600", "--out",
+                              str(tmp_path / "bench.json")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(_children(bench.pid)) >= 2, timeout_s=120)  # etcd and the metaserver
+        servers = _children(bench.pid)
+        bench.terminate()
+        assert bench.wait(120) == 128 + 15
+        wait_for(lambda: not any(_running(p) for p in servers), timeout_s=60)
+    finally:
+        bench.kill()
+        bench.wait()
