@@ -28,6 +28,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 # R looks up by RPC, waiting for the answer: a round sends R its prompt once the metaserver
 # holds the prompt's blocks, which a node-local view (fed by a stream) may not have yet; a
 # request that got there first would compute locally and the round would test no failed load.
+# After a load that failed whole, R does not offer S's blocks for suspect_s (by design): a round
+# that needs R to read from S starts after that (Cluster.unsuspected), or R would compute the
+# prompt itself and the round would test no failed load.
 TIMEOUTS = {"transfer_timeout_s": 5, "progress_timeout_s": 120, "read_timeout_s": 30,
-            "lookup_view": False, "query_timeout_s": 30, "lookup_deadline_s": 60}
+            "lookup_view": False, "query_timeout_s": 30, "lookup_deadline_s": 60, "suspect_s": 5.0}
 
 
 @dataclass
@@ -163,6 +167,12 @@ class Cluster:
     ms: str
     answers: int = 0
     seed: int = 0
+    suspect_until: float = 0.0   # R's suspicion of S after a counted failed load ends by then (monotonic)
+
+    def unsuspected(self) -> None:
+        """Wait out R's suspicion of S (a wait of at least suspect_s: on a slower machine the
+        round's other answers have taken longer than that already)."""
+        time.sleep(max(0.0, self.suspect_until - time.monotonic()))
 
     def prompt(self, blocks: int, tail: int = 20) -> list[int]:
         self.seed += 1
@@ -256,6 +266,7 @@ def counted_a_failed_load(c: Cluster, before: float) -> None:
     and not counted."""
     try:
         wait_for(lambda: c.host.counter(c.R, "failed") > before, timeout_s=60)
+        c.suspect_until = time.monotonic() + TIMEOUTS["suspect_s"]  # R recorded the failure before counting it
     except pytest.fail.Exception:
         lines = (c.run / "R.log").read_text(errors="replace").splitlines()
         reads = [line[-160:] for line in lines if any(w in line for w in ("read of", "reads from", "load fail"))]
@@ -266,6 +277,7 @@ def counted_a_failed_load(c: Cluster, before: float) -> None:
 def late_round(c: Cluster) -> None:
     p = c.computed_by_source(c.host.blocks)
     failed = c.host.counter(c.R, "failed")
+    c.unsuspected()
     _signal(c.S, signal.SIGSTOP)
     try:
         c.check(c.R, p + c.prompt(0, 6))                       # the read to S fails: recomputed
@@ -293,6 +305,7 @@ def corrupt_round(c: Cluster) -> None:
         assert corrupt_pool(c.S, rec.buffer_address, rec.capacity_bytes) > 0
     finally:
         _signal(c.S, signal.SIGCONT)
+    c.unsuspected()
     c.check(c.R, p + c.prompt(0, 6))                           # its blocks fail validation: recomputed
     counted_a_failed_load(c, failed)
     c.local_hits([p])
@@ -300,12 +313,14 @@ def corrupt_round(c: Cluster) -> None:
 
 def kill_round(c: Cluster) -> None:
     p = c.computed_by_source(c.host.blocks)
+    c.unsuspected()
     _signal(c.S, signal.SIGSTOP)
     t, errors = _in_thread(lambda: c.check(c.R, p + c.prompt(0, 6)))
     wait_for(lambda: c.host.admitted(c.R) or not t.is_alive(), timeout_s=60)
     c.S.kill()                                                 # R's read is in flight or about to be
     t.join(300)
     assert not t.is_alive() and not errors, errors
+    c.suspect_until = time.monotonic() + TIMEOUTS["suspect_s"]  # if R's read failed whole, R suspects S
     c.S.start()  # type: ignore[attr-defined]
     c.S.wait_ready(600)  # type: ignore[attr-defined]
     c.local_hits([p])
