@@ -40,8 +40,9 @@ def free_port() -> int:
 def sigterm_held() -> Iterator[None]:
     """A SIGTERM that arrives while a child is spawned takes effect once it is recorded: raised
     between the fork and `self.proc = ...` (a benchmark's SIGTERM is a SystemExit,
-    kvpool_cli.main), it would leave the child running with nothing to stop it. Python runs
-    signal handlers in the main thread only, so elsewhere there is nothing to hold."""
+    kvpool_cli.main), it would leave the child running with nothing to stop it; raised after,
+    the spawning code stops the child it has just recorded. Python runs signal handlers in the
+    main thread only, so elsewhere there is nothing to hold."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -84,8 +85,8 @@ class EtcdProcess:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self, timeout_s: float = 15.0) -> EtcdProcess:
-        self.launch()
         try:
+            self.launch()
             self._wait_healthy(timeout_s)
         except BaseException:  # a SystemExit from SIGTERM too: nothing else would stop it
             self.stop()
@@ -187,10 +188,10 @@ class EtcdCluster:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
-        for m in self.members:
-            shutil.rmtree(m.data_dir, ignore_errors=True)  # a fresh cluster: no member data left over
-            m.launch()
         try:
+            for m in self.members:
+                shutil.rmtree(m.data_dir, ignore_errors=True)  # a fresh cluster: no member data left over
+                m.launch()
             for m in self.members:
                 m.wait_healthy(timeout_s)
         except BaseException:
@@ -257,10 +258,14 @@ class ChildProcess:
         child_env = None
         if env or drop_env:
             child_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop_env}
-        with open(self.log_path, "ab") as logf, sigterm_held():
-            self.proc = subprocess.Popen([python, "-m", module, *args], stdout=logf,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=child_env, start_new_session=own_group)
+        try:
+            with open(self.log_path, "ab") as logf, sigterm_held():
+                self.proc = subprocess.Popen([python, "-m", module, *args], stdout=logf,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=child_env, start_new_session=own_group)
+        except BaseException:  # the SIGTERM held above, raised once the child is recorded
+            self.stop()
+            raise
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
