@@ -169,6 +169,10 @@ class Cluster:
     seed: int = 0
     suspect_until: float = 0.0   # R's suspicion of S after a counted failed load ends by then (monotonic)
 
+    def suspected(self) -> None:
+        """R may have failed a whole load from S just now: it suspects S until suspect_s from now."""
+        self.suspect_until = time.monotonic() + TIMEOUTS["suspect_s"]
+
     def unsuspected(self) -> None:
         """Wait out R's suspicion of S (a wait of at least suspect_s: on a slower machine the
         round's other answers have taken longer than that already)."""
@@ -266,7 +270,7 @@ def counted_a_failed_load(c: Cluster, before: float) -> None:
     and not counted."""
     try:
         wait_for(lambda: c.host.counter(c.R, "failed") > before, timeout_s=60)
-        c.suspect_until = time.monotonic() + TIMEOUTS["suspect_s"]  # R recorded the failure before counting it
+        c.suspected()  # R recorded the failure before it counted it
     except pytest.fail.Exception:
         lines = (c.run / "R.log").read_text(errors="replace").splitlines()
         reads = [line[-160:] for line in lines if any(w in line for w in ("read of", "reads from", "load fail"))]
@@ -320,7 +324,7 @@ def kill_round(c: Cluster) -> None:
     c.S.kill()                                                 # R's read is in flight or about to be
     t.join(300)
     assert not t.is_alive() and not errors, errors
-    c.suspect_until = time.monotonic() + TIMEOUTS["suspect_s"]  # if R's read failed whole, R suspects S
+    c.suspected()  # if R's read failed whole
     c.S.start()  # type: ignore[attr-defined]
     c.S.wait_ready(600)  # type: ignore[attr-defined]
     c.local_hits([p])
