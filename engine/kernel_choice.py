@@ -221,14 +221,15 @@ def cache_path() -> Path:
 
 
 def machine_key() -> str:
-    """What a calibration is valid for besides the shape: the CPU model and torch's version
-    (not the thread count: engines on one machine must agree whatever their --threads)."""
+    """What a calibration is valid for besides the shape: the CPU model, the ISA class the C
+    kernels are built for and torch's version (not the thread count: engines on one machine
+    must agree whatever their --threads)."""
     model = build.cpu_model()  # with family and model: the name alone can be generic under KVM
     # "panels N": the C kernel's builds since its last change in speed (1 -> 2: per-CPU block
     # rows, an older choice timed a kernel that spilled its registers on AVX2 machines; 2 -> 3:
     # half panels and tail blocks in registers on AVX2; 3 -> 4: the AVX-512 block's row counts
-    # constants and its accumulators in registers): calibrate again.
-    return f"{model}|torch {torch.__version__}|panels 4"
+    # constants and its accumulators in registers; 4 -> 5: built per ISA class, not -march=native).
+    return f"{model}|{build.kernel_isa()}|torch {torch.__version__}|panels 5"
 
 
 def choose(ops: Iterable[Op], mode: str = "auto", path: Path | None = None,
@@ -286,10 +287,11 @@ def tag(choices: dict[str, Choice]) -> str:
 
 
 def isa_tag(flags: str | None = None) -> str:
-    """The layout fingerprint's part for the CPU's vector ISA: empty with AVX-512 (the kernels'
-    first target), else "|isa:avx2" or "|isa:base". The C kernels' builds differ by ISA (the
-    SiLU's exp, the attention kernels: engine/native/csrc), and so do oneDNN's and torch's, so
-    KV computed on a CPU of one class is not bit-identical to another's: nodes of different
-    classes keep their blocks apart, as nodes of different kernel choices do."""
-    words = set((flags if flags is not None else build.cpu_flags()).split())
-    return "" if "avx512f" in words else "|isa:avx2" if {"avx2", "fma"} <= words else "|isa:base"
+    """The layout fingerprint's part for the ISA class the C kernels are built for
+    (`build.kernel_isa`: "|isa:x86_64_v4", "|isa:x86_64_v3", "|isa:x86_64"; `flags` a
+    /proc/cpuinfo flags line, this CPU's by default). Each class's build differs (the vector
+    width, the SiLU's exp, the attention kernels: engine/native/csrc), and so do oneDNN's and
+    torch's, so KV computed by one class is not bit-identical to another's: nodes of different
+    classes keep their blocks apart, as nodes of different kernel choices do; within a class
+    every CPU runs the same machine code (engine/native/build.py)."""
+    return f"|isa:{build.kernel_isa(flags)}"

@@ -145,8 +145,8 @@ class LlamaModel:
         self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
 
     def kernel_tag(self) -> str:
-        """The KV layout fingerprint's part for the kernels: on CPU the vector ISA's class where it
-        is not AVX-512, then the linears on oneDNN (empty: AVX-512 and all C, as by default)."""
+        """The KV layout fingerprint's part for the kernels: on CPU the ISA class the C kernels are
+        built for, then the linears on oneDNN (none: all C, as by default)."""
         isa = kernel_choice.isa_tag() if self.device.type == "cpu" else ""
         return isa + kernel_choice.tag(self.kernel_choices)
 

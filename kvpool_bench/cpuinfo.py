@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.native.build import cpu_model, cpuinfo_fields
+from engine.native.build import cpu_model, cpuinfo_fields, kernel_isa
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
@@ -21,13 +21,13 @@ def cpu_info() -> dict[str, object]:
         name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
         caches[name] = size
     return {"model": cpu_model(), "cores": os.cpu_count(), "vector": [f for f in VECTOR_FLAGS if f in flags],
-            "caches": caches}
+            "caches": caches, "kernels_isa": kernel_isa()}
 
 
 def describe(info: dict[str, object]) -> str:
     caches = ", ".join(f"{k} {v}" for k, v in info["caches"].items())  # type: ignore[union-attr]
     return (f"CPU: {info['model']}, {info['cores']} cores; {' '.join(info['vector']) or 'no AVX2'}"  # type: ignore[arg-type]
-            + (f"; caches per core {caches}" if caches else ""))
+            + (f"; caches per core {caches}" if caches else "") + f"; C kernels built for {info['kernels_isa']}")
 
 
 def kernels_here(model: str, dtype: str = "float32") -> dict[str, str]:

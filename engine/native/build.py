@@ -1,10 +1,18 @@
 """Compile-and-cache for the engine's C sources (csrc/), loaded via ctypes.
 
-Built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) with
-OpenMP, into a cache directory keyed by the source, the flags and the CPU's feature flags
-($KVPOOL_KERNEL_CACHE, default ~/.cache/kvpool/kernels), so a different machine builds its
-own; a source may include headers by a quoted relative path (csrc/simd.h), which are part of
-the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
+Built with the system C compiler (`cc`, or $CC) with OpenMP for the CPU's ISA class
+(`kernel_isa`), not for the CPU itself: x86-64-v4 (AVX-512), x86-64-v3 (AVX2 with FMA) or
+x86-64, with generic tuning. A KV block's bits must not depend on which CPU of a class computed
+it (nodes of one class share blocks: the layout fingerprint names the class, not the CPU), and
+`-march=native` made them depend on it: the tuning it implies sets the vector width gcc uses
+where it vectorizes a sum, and -ffast-math lets it reorder a sum to fit. So every CPU of a class
+gets the same machine code from one compiler, and no estimate instruction (rcp / rsqrt,
+whose results differ between Intel and AMD cores): `-mno-recip`, and csrc/layer_ops.c keeps
+the one 1/sqrt gcc would estimate anyway. $KVPOOL_KERNEL_ISA picks a lower class than the
+CPU's (to test or measure another class's kernels on this machine). Cached in a directory
+keyed by the source, the flags and the compiler ($KVPOOL_KERNEL_CACHE, default
+~/.cache/kvpool/kernels); a source may include headers by a quoted relative path
+(csrc/simd.h), which are part of the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
 kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
 the call.
 
@@ -19,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -33,8 +42,19 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")  # the engine's C sources and the header they share
 # -ffast-math only when compiling: linking with it adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process (every float op of Python, numpy and torch would change).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+ISA_ENV = "KVPOOL_KERNEL_ISA"
+# x86 ISA classes, best first: name, target flags, the /proc/cpuinfo flags the target needs
+# (the psABI levels; "abm" is how Linux names LZCNT). The name is what the layout fingerprint says.
+_V3_NEEDS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
+ISA_CLASSES = (
+    ("x86_64_v4", ("-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512", "-mno-recip"),
+     _V3_NEEDS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86_64_v3", ("-march=x86-64-v3", "-mtune=generic", "-mno-recip"), _V3_NEEDS),
+    ("x86_64", ("-march=x86-64", "-mtune=generic", "-mno-recip"), frozenset()),
+)
+OTHER_ISA = "base"  # not x86-64: the compiler's default target
 
 
 class KernelBuildError(RuntimeError):
@@ -78,16 +98,49 @@ def cpu_model() -> str:
     return model
 
 
+def _classes() -> tuple[tuple[str, tuple[str, ...], frozenset[str]], ...]:
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return ISA_CLASSES if x86 else ((OTHER_ISA, (), frozenset()),)
+
+
+def kernel_isa(flags: str | None = None) -> str:
+    """The ISA class the kernels are built for here: the best class whose flags the CPU has
+    (`flags`: a /proc/cpuinfo flags line; this CPU's by default), or a lower one named by
+    $KVPOOL_KERNEL_ISA. A class the CPU lacks, or an unknown name, raises KernelBuildError."""
+    words = set((flags if flags is not None else cpu_flags()).split())
+    classes = _classes()
+    supported = [name for name, _, needs in classes if needs <= words]
+    wanted = os.environ.get(ISA_ENV, "").strip()
+    if not wanted:
+        return supported[0]
+    if wanted not in supported:
+        known = ", ".join(name for name, _, _ in classes)
+        raise KernelBuildError(f"{ISA_ENV}={wanted!r}: this CPU's kernels can be built for {', '.join(supported)} "
+                               f"(classes: {known})")
+    return wanted
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of an ISA class (`kernel_isa`)."""
+    return next(list(target) for name, target, _ in _classes() if name == isa)
+
+
 _LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.MULTILINE)
 
 
-def _library_path(compiler: str, source: Path) -> Path:
+def compile_flags() -> list[str]:
+    """The flags a source is compiled with here (its ISA class's; KernelBuildError for a bad
+    $KVPOOL_KERNEL_ISA)."""
+    return [*FLAGS, *isa_flags(kernel_isa())]
+
+
+def _library_path(compiler: str, source: Path, flags: list[str]) -> Path:
     """Where `source`'s build is cached: keyed by its text and the headers it includes by a
-    quoted path (relative to it), the compiler and flags, and the CPU's feature flags."""
+    quoted path (relative to it), the compiler (its path and version) and the flags."""
     text = source.read_bytes()
     headers = b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
-    key = hashlib.sha256(text + headers + " ".join([compiler, *FLAGS, *LINK_FLAGS]).encode()
-                         + cpu_flags().encode())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(text + headers + " ".join([compiler, version, *flags, *LINK_FLAGS]).encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
     return root / key.hexdigest()[:16] / f"{source.stem}.so"
 
@@ -97,13 +150,14 @@ def build(source: Path) -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise KernelBuildError("no C compiler (cc or $CC) on PATH")
-    lib = _library_path(compiler, source)
+    flags = compile_flags()
+    lib = _library_path(compiler, source, flags)
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent builders never load a half-written file.
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            for cmd in ([compiler, *FLAGS, "-c", str(source), "-o", str(obj)],
+            for cmd in ([compiler, *flags, "-c", str(source), "-o", str(obj)],
                         [compiler, str(obj), *LINK_FLAGS, "-o", str(so)]):
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:

@@ -15,6 +15,7 @@ import torch
 from engine import kernel_choice as kc
 from engine.attention import cpu_kernel
 from engine.kernel_tags import is_kernel_tag
+from engine.native import build
 from kvpool_bench.kernels_bench import ATTENTION_SHAPES, DECODE_SHAPES
 from tests.engine.conftest import make_engine, run_all
 
@@ -60,13 +61,32 @@ def test_the_choice_is_measured_once_per_machine_and_shape_then_read(tmp_path: P
     assert measured[-1] == "down" and len(json.loads(path.read_text())[kc.machine_key()]) == 4
 
 
-def test_the_cpu_class_tag_names_cpus_without_avx512() -> None:
-    assert kc.isa_tag("fpu sse2 avx2 fma avx512f avx512bw") == ""
-    assert kc.isa_tag("fpu sse2 avx avx2 fma bmi2") == "|isa:avx2"
-    assert kc.isa_tag("fpu sse2 avx") == "|isa:base"
-    for good in ("", "|isa:avx2", "|onednn:down", "|isa:avx2|onednn:down,gate_up,lm_head"):
+V3 = "fpu sse2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+
+
+def test_the_cpu_class_tag_names_the_isa_class_the_kernels_are_built_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    v4 = V3 + " avx512f avx512bw avx512cd avx512dq avx512vl"
+    assert kc.isa_tag(v4) == "|isa:x86_64_v4"
+    assert kc.isa_tag(V3) == "|isa:x86_64_v3"
+    assert kc.isa_tag(V3.replace(" movbe", "")) == "|isa:x86_64"  # a v3 flag missing: not v3 code
+    assert kc.isa_tag(v4.replace(" avx512vl", "")) == "|isa:x86_64_v3"
+    assert kc.isa_tag("fpu sse2 avx") == "|isa:x86_64"
+    monkeypatch.setenv(build.ISA_ENV, "x86_64_v3")  # a lower class, to test its kernels here
+    assert kc.isa_tag(v4) == "|isa:x86_64_v3"
+    monkeypatch.setenv(build.ISA_ENV, "x86_64_v4")
+    with pytest.raises(build.KernelBuildError, match="can be built for x86_64_v3, x86_64"):
+        kc.isa_tag(V3)
+    monkeypatch.setenv(build.ISA_ENV, "avx512")
+    with pytest.raises(build.KernelBuildError, match="avx512"):
+        kc.isa_tag(v4)
+    monkeypatch.delenv(build.ISA_ENV)
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    assert kc.isa_tag("fp asimd") == "|isa:base" and build.isa_flags("base") == []
+    for good in ("", "|isa:x86_64_v3", "|onednn:down", "|isa:x86_64_v3|onednn:down,gate_up,lm_head"):
         assert is_kernel_tag(good), good
-    for bad in ("|onednn:", "|onednn:down|isa:avx2", "|isa:avx2 ", "|bf16", "|onednn:Down"):
+    for bad in ("|onednn:", "|onednn:down|isa:x86_64_v3", "|isa:x86_64_v3 ", "|bf16", "|onednn:Down"):
         assert not is_kernel_tag(bad), bad
 
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from engine.attention import cpu_backend, cpu_kernel
-from engine.native.build import build, cpu_flags
+from engine.native.build import build, kernel_isa
 from tests.engine.test_cpu_attention import fresh, random_pass
 
 HD = cpu_kernel.PREFILL_HEAD_DIM
-FLAGS = cpu_flags().split()
-BUILT = "avx512f" in FLAGS or ("avx2" in FLAGS and "fma" in FLAGS)
+BUILT = kernel_isa() in ("x86_64_v4", "x86_64_v3")  # the classes with AVX-512 or AVX2 with FMA
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,12 @@
 static inline float row_inv_rms(const float *x, int64_t dim, float eps) {
     float ss = 0.f;
     for (int64_t d = 0; d < dim; d++) ss += x[d] * x[d];
-    return 1.f / sqrtf(ss / (float)dim + eps);
+    /* The empty asm keeps the square root a square root: -ffast-math turns 1 / sqrtf into an
+     * rsqrt estimate and a Newton step, and the estimate's bits differ between Intel and AMD
+     * cores (engine/native/build.py: a class's CPUs must compute the same KV). */
+    float root = sqrtf(ss / (float)dim + eps);
+    __asm__("" : "+x"(root));
+    return 1.f / root;
 }
 
 /* out[i] = x[i] * rsqrt(mean(x[i]^2) + eps) * w; rows of x and out are `dim` long, contiguous. */
@@ -339,10 +344,13 @@ static inline __attribute__((always_inline)) void range_rows(
 }
 #endif
 
-/* block_rows (br): one of BLOCK_ROWS (any other: the default, the first). */
+/* block_rows (br): one of BLOCK_ROWS (any other, 0 included: the default, the first). */
 static void gemm(
         const float *Wp, int64_t out_dim, int64_t in_dim, const float *X, int64_t x_stride, int64_t m, float *Y,
-        int64_t y_stride, const int gated, const int br) {
+        int64_t y_stride, const int gated, int br) {
+    int known = 0;
+    for (int64_t i = 0; i < N_BLOCK_ROWS; i++) known |= br == BLOCK_ROWS[i];
+    if (!known) br = (int)BLOCK_ROWS[0];  /* a 0-row block would never advance */
     const int64_t panels = out_dim / PANEL, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
     const int64_t items = panels * chunks, y_cols = gated ? PANEL / 2 : PANEL;
     /* the rows cut into chunks of equal size (a multiple of 6 rows, the AVX2 block), so equal
