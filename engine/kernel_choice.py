@@ -22,8 +22,9 @@ shapes. `choose` keeps the faster one per weight shape, under these rules:
   same kernels, so the KV blocks they share and the answers they give are bit-identical; a
   machine calibrates once per CPU model and shape (with the threads of the first engine that
   needed it). Delete the file to calibrate again.
-- A choice other than the C kernel is named in the KV layout fingerprint (`tag`): blocks
-  computed with other kernels are another namespace, never mixed with these.
+- A choice other than the C kernel is named in the KV layout fingerprint (`tag`), with the
+  CPU model it was made on: blocks computed with other kernels are another namespace, never
+  mixed with these.
 - The C kernel's rows per micro-kernel call (`layer_ops.panel_block_rows()`: what fits the
   CPU's vector registers) are timed too, per batch size of the mix: each gives the same bits,
   so the fastest is taken for the batch sizes up to it (`Choice.blocks`), with no margin.
@@ -31,6 +32,7 @@ shapes. `choose` keeps the faster one per weight shape, under these rules:
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -281,9 +283,14 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
 
 
 def tag(choices: dict[str, Choice]) -> str:
-    """The layout fingerprint's part for these choices: empty when every op runs the C kernel."""
+    """The layout fingerprint's part for these choices: empty when every op runs the C kernel,
+    else the ops on oneDNN and a digest of `machine_key()`. oneDNN picks its code and blocking
+    by the CPU it runs on (its ISA, its caches), so its bits are only known to agree on one CPU
+    model with one torch: a oneDNN choice never shares blocks beyond that."""
     other = sorted(name for name, c in choices.items() if c.kernel != C)
-    return f"{TAG_PREFIX}{','.join(other)}" if other else ""
+    if not other:
+        return ""
+    return f"{TAG_PREFIX}{','.join(other)}@{hashlib.sha256(machine_key().encode()).hexdigest()[:8]}"
 
 
 def isa_tag(flags: str | None = None) -> str:

@@ -85,7 +85,7 @@ def _node_urls(args: argparse.Namespace) -> list[str]:
 
 
 async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
-    from engine.kernel_tags import TAG_PREFIX
+    from engine.kernel_tags import layout_part
     from metaserver.client import MetaClient
     from metaserver.credentials import ClientSecurity
     from metaserver.view import IndexView
@@ -143,8 +143,7 @@ async def _build(args: argparse.Namespace):  # noqa: ANN202 - web.Application
                 if layout["fingerprint"] != want:
                     why = (" (the nodes' CPU classes or kernel choices differ, so their KV is not bit-identical:"
                            " route each class apart, or start them with one --kernels)"
-                           if "|isa:" in layout["fingerprint"] + want or TAG_PREFIX in layout["fingerprint"] + want
-                           else "")
+                           if layout_part(layout["fingerprint"]) == layout_part(want) else "")
                     raise LayoutError(f"node {node.url} has KV layout {layout['fingerprint']!r}; the router hashes "
                                       f"prompts for {want!r} (--model {args.model}): it would never predict a hit{why}")
                 node.node_id = layout.get("node_id", "")

@@ -2,6 +2,7 @@
 per-machine cache under a lock, and the engine wired to it (the real model)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -14,7 +15,7 @@ import torch
 
 from engine import kernel_choice as kc
 from engine.attention import cpu_kernel
-from engine.kernel_tags import is_kernel_tag
+from engine.kernel_tags import is_kernel_tag, layout_part
 from engine.native import build
 from kvpool_bench.kernels_bench import ATTENTION_SHAPES, DECODE_SHAPES
 from tests.engine.conftest import make_engine, run_all
@@ -49,7 +50,8 @@ def test_the_choice_is_measured_once_per_machine_and_shape_then_read(tmp_path: P
     cached = kc.choose(OPS, "auto", path, lambda op: pytest.fail("measured again"))
     assert {n: c.kernel for n, c in cached.items()} == {n: c.kernel for n, c in first.items()}
     assert {c.source for c in cached.values()} == {"cached"}
-    assert kc.tag(cached) == "|onednn:qkv" and kc.tag(kc.choose(OPS, "c")) == ""
+    digest = hashlib.sha256(kc.machine_key().encode()).hexdigest()[:8]
+    assert kc.tag(cached) == f"|onednn:qkv@{digest}" and kc.tag(kc.choose(OPS, "c")) == ""
     assert list(json.loads(path.read_text())) == [kc.machine_key()]
     torch_threads = torch.get_num_threads()
     try:  # engines with another thread count run the same kernels (their KV and answers agree)
@@ -84,9 +86,13 @@ def test_the_cpu_class_tag_names_the_isa_class_the_kernels_are_built_for(monkeyp
     monkeypatch.delenv(build.ISA_ENV)
     monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
     assert kc.isa_tag("fp asimd") == "|isa:base" and build.isa_flags("base") == []
-    for good in ("", "|isa:x86_64_v3", "|onednn:down", "|isa:x86_64_v3|onednn:down,gate_up,lm_head"):
+    for good in ("", "|isa:x86_64_v3", "|onednn:down", "|isa:x86_64_v3|onednn:down,gate_up,lm_head@0a1b2c3d"):
         assert is_kernel_tag(good), good
-    for bad in ("|onednn:", "|onednn:down|isa:x86_64_v3", "|isa:x86_64_v3 ", "|bf16", "|onednn:Down"):
+    base = "smollm2-135m|float32|bs16|L30|kv3|hd64"
+    for tags in ("", "|isa:x86_64_v4", "|onednn:down@0a1b2c3d", "|isa:x86_64|onednn:o,qkv"):
+        assert layout_part(base + tags) == base
+    for bad in ("|onednn:", "|onednn:down|isa:x86_64_v3", "|isa:x86_64_v3 ", "|bf16", "|onednn:Down",
+                "|onednn:down@0a1b", "|onednn:down@0A1B2C3D"):
         assert not is_kernel_tag(bad), bad
 
 
@@ -167,7 +173,7 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
     o = make_engine(loaded, kv_cache_bytes=16 << 20, kernels="onednn")
     auto = make_engine(loaded, kv_cache_bytes=16 << 20)
     try:
-        assert c.fingerprint + "|onednn:down,gate_up,lm_head,o,qkv" == o.fingerprint
+        assert c.fingerprint + "|onednn:down,gate_up,lm_head,o,qkv@" + kc.tag(o.model.kernel_choices)[-8:] == o.fingerprint
         assert c.fingerprint.endswith(kc.isa_tag()) and is_kernel_tag(o.fingerprint.split("|hd64", 1)[1])
         assert "C gated panels" in c.model.kernels()["gate+up projection and SiLU"]
         assert o.model.kernels()["qkv projection"].startswith("oneDNN packed")
