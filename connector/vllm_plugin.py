@@ -12,8 +12,9 @@ objects into their plain values.
 - Hashes: vLLM's own chained block hashes (`request.block_hashes`, which carry its extra
   keys such as `cache_salt`), each rehashed with a seed made from this deployment's layout
   fingerprint (the model by its weights' digest, not its path or served name; dtype, block
-  size, layers, KV heads, head dim, vLLM's CPU layout); the fingerprint is also the
-  metaserver namespace, so vLLM blocks never meet our engine's. A node that finds another
+  size, layers, KV heads, head dim, vLLM's CPU layout, and vLLM, torch and the device:
+  their kernels follow the device, so nodes on other CPU or GPU models share no blocks);
+  the fingerprint is also the metaserver namespace, so vLLM blocks never meet our engine's. A node that finds another
   serving the same weights in another layout warns at start (`connector.model_identity`).
   vLLM's hashes are equal across processes with its default `sha256` algorithm; with a
   non-cryptographic one its seed is random unless PYTHONHASHSEED is set (warned at start).
@@ -53,6 +54,7 @@ from connector.pool_scheduler import PoolScheduler
 from connector.pool_worker import PoolWorker
 from connector.settings import PoolConnectorSettings
 from engine.kv_connector.config import KVTransferConfig
+from engine.native.build import cpu_model
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,13 +87,32 @@ def model_identity(model: str, revision: str | None) -> str:
     return weights_digest(path)
 
 
+def hardware_identity(device_type: str) -> str:
+    """What computed the KV besides the model: vLLM's and torch's versions and the device (the
+    CPU model with its family and model numbers, or the GPU's name). vLLM's kernels pick their
+    code by the device they run on (oneDNN's ISA and blocking, its attention's ISA; a GPU's
+    architecture), so two devices' blocks are not known to be bit-identical: "hw:" and 8 hex
+    digits of their digest, a fingerprint's last field."""
+    import vllm
+
+    if device_type == "cuda" and torch.cuda.is_available():
+        device = f"cuda {torch.cuda.get_device_name(0)}"
+    else:
+        device = f"{device_type} {cpu_model()}"
+    parts = f"vllm {vllm.__version__}|torch {torch.__version__}|{device}"
+    log.info("kvpool: the KV namespace's hardware part: %s", parts)
+    return "hw:" + hashlib.sha256(parts.encode()).hexdigest()[:8]
+
+
 def layout_fingerprint(vllm_config: VllmConfig) -> str:
     """The namespace of this deployment's blocks: equal only where the KV bytes are (the
-    weights, not the path or served name; dtype, block size, shape and CPU layout)."""
+    weights, not the path or served name; dtype, block size, shape, CPU layout, and the
+    software and device that compute them: `hardware_identity`)."""
     mc, par = vllm_config.model_config, vllm_config.parallel_config
     dtype = str(mc.dtype).removeprefix("torch.")
     return (f"vllm|{model_identity(mc.model, mc.revision)}|{dtype}|bs{vllm_config.cache_config.block_size}"
-            f"|L{mc.get_num_layers(par)}|kv{mc.get_num_kv_heads(par)}|hd{mc.get_head_size()}|{LAYOUT}")
+            f"|L{mc.get_num_layers(par)}|kv{mc.get_num_kv_heads(par)}|hd{mc.get_head_size()}|{LAYOUT}"
+            f"|{hardware_identity(vllm_config.device_config.device_type)}")
 
 
 class KVPoolMetadata(KVConnectorMetadata):
