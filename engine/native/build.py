@@ -8,13 +8,14 @@ it (nodes of one class share blocks: the layout fingerprint names the class, not
 where it vectorizes a sum, and -ffast-math lets it reorder a sum to fit. So every CPU of a class
 gets the same machine code from one compiler, and no estimate instruction (rcp / rsqrt,
 whose results differ between Intel and AMD cores): `-mno-recip`, and csrc/layer_ops.c keeps
-the one 1/sqrt gcc would estimate anyway. $KVPOOL_KERNEL_ISA picks a lower class than the
-CPU's (to test or measure another class's kernels on this machine). Cached in a directory
-keyed by the source, the flags and the compiler ($KVPOOL_KERNEL_CACHE, default
-~/.cache/kvpool/kernels); a source may include headers by a quoted relative path
-(csrc/simd.h), which are part of the key. The library links libgomp by soname; torch has loaded its own copy by then, so the
-kernel's threads are torch's (`torch.set_num_threads` applies). ctypes releases the GIL for
-the call.
+the one 1/sqrt gcc would estimate anyway. The class names need gcc >= 11 or clang >= 12
+(an older compiler fails the build, logged, and the torch paths run). $KVPOOL_KERNEL_ISA picks
+a lower class than the CPU's (to test or measure another class's kernels on this machine).
+Cached in a directory keyed by the source, the flags and the compiler ($KVPOOL_KERNEL_CACHE,
+default ~/.cache/kvpool/kernels); a source may include headers by a quoted relative path
+(csrc/simd.h), which are part of the key. The library links libgomp by soname; torch has
+loaded its own copy by then, so the kernel's threads are torch's (`torch.set_num_threads`
+applies). ctypes releases the GIL for the call.
 
 `build()` raises where no compiler works, for `make setup` and tests that must not pass
 without a kernel; `LazyLibrary` logs that once and answers None (the callers' torch paths run).
