@@ -14,8 +14,9 @@ objects into their plain values.
   fingerprint (the model by its weights' digest, not its path or served name; dtype, block
   size, layers, KV heads, head dim, vLLM's CPU layout, and vLLM, torch and the device:
   their kernels follow the device, so nodes on other CPU or GPU models share no blocks);
-  the fingerprint is also the metaserver namespace, so vLLM blocks never meet our engine's. A node that finds another
-  serving the same weights in another layout warns at start (`connector.model_identity`).
+  the fingerprint is also the metaserver namespace, so vLLM blocks never meet our engine's.
+  A node that finds another serving the same weights in another layout warns at start
+  (`connector.model_identity`).
   vLLM's hashes are equal across processes with its default `sha256` algorithm; with a
   non-cryptographic one its seed is random unless PYTHONHASHSEED is set (warned at start).
 - Loads are asynchronous (WAITING_FOR_REMOTE_KVS until `get_finished` reports them). vLLM's

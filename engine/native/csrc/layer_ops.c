@@ -19,11 +19,10 @@
 static inline float row_inv_rms(const float *x, int64_t dim, float eps) {
     float ss = 0.f;
     for (int64_t d = 0; d < dim; d++) ss += x[d] * x[d];
-    /* The empty asm keeps the square root a square root: -ffast-math turns 1 / sqrtf into an
-     * rsqrt estimate and a Newton step, and the estimate's bits differ between Intel and AMD
-     * cores (engine/native/build.py: a class's CPUs must compute the same KV). */
-    float root = sqrtf(ss / (float)dim + eps);
-    __asm__("" : "+x"(root));
+    /* volatile keeps the square root a square root: -ffast-math turns 1 / sqrtf into an rsqrt
+     * estimate and a Newton step, and the estimate's bits differ between Intel and AMD cores
+     * (engine/native/build.py: a class's CPUs must compute the same KV). Once per row. */
+    volatile float root = sqrtf(ss / (float)dim + eps);
     return 1.f / root;
 }
 
