@@ -1,14 +1,14 @@
 """What may follow a model's layout in a CPU engine's fingerprint, and the test for it: the
 ISA class the C kernels are built for, then the linears that run on oneDNN and the CPU they
-were chosen on (engine/kernel_choice.py makes them). Apart from kernel_choice so that a router, which only
-reads fingerprints, imports no torch."""
+were chosen on (engine/kernel_choice.py makes them). Apart from kernel_choice so that a
+router, which only reads fingerprints, imports no torch."""
 from __future__ import annotations
 
 import re
 
 ISA_PREFIX = "|isa:"
 TAG_PREFIX = "|onednn:"
-KERNEL_TAG = re.compile(r"(\|isa:[a-z0-9_]+)?(\|onednn:[a-z_]+(,[a-z_]+)*(@[0-9a-f]{8})?)?")
+KERNEL_TAG = re.compile(rf"({re.escape(ISA_PREFIX)}[a-z0-9_]+)?({re.escape(TAG_PREFIX)}[a-z_]+(,[a-z_]+)*(@[0-9a-f]{{8}})?)?")
 
 
 def is_kernel_tag(suffix: str) -> bool:

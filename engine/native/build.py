@@ -25,6 +25,7 @@ kvpool_bench/roofline.py (its own source).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -104,18 +105,23 @@ def _classes() -> tuple[tuple[str, tuple[str, ...], frozenset[str]], ...]:
     return ISA_CLASSES if x86 else ((OTHER_ISA, (), frozenset()),)
 
 
-def kernel_isa(flags: str | None = None) -> str:
-    """The ISA class the kernels are built for here: the best class whose flags the CPU has
-    (`flags`: a /proc/cpuinfo flags line; this CPU's by default), or a lower one named by
-    $KVPOOL_KERNEL_ISA. A class the CPU lacks, or an unknown name, raises KernelBuildError."""
+def supported_isas(flags: str | None = None) -> list[str]:
+    """The ISA classes a CPU can run, best first (`flags`: a /proc/cpuinfo flags line; this
+    CPU's by default)."""
     words = set((flags if flags is not None else cpu_flags()).split())
-    classes = _classes()
-    supported = [name for name, _, needs in classes if needs <= words]
+    return [name for name, _, needs in _classes() if needs <= words]
+
+
+def kernel_isa(flags: str | None = None) -> str:
+    """The ISA class the kernels are built for here: the best of `supported_isas(flags)`, or a
+    lower one named by $KVPOOL_KERNEL_ISA. A class the CPU lacks, or an unknown name, raises
+    KernelBuildError."""
+    supported = supported_isas(flags)
     wanted = os.environ.get(ISA_ENV, "").strip()
     if not wanted:
         return supported[0]
     if wanted not in supported:
-        known = ", ".join(name for name, _, _ in classes)
+        known = ", ".join(name for name, _, _ in _classes())
         raise KernelBuildError(f"{ISA_ENV}={wanted!r}: this CPU's kernels can be built for {', '.join(supported)} "
                                f"(classes: {known})")
     return wanted
@@ -135,13 +141,18 @@ def compile_flags() -> list[str]:
     return [*FLAGS, *isa_flags(kernel_isa())]
 
 
+@functools.cache
+def _version(compiler: str) -> str:
+    """`compiler --version` (once per process: every build's cache key reads it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
 def _library_path(compiler: str, source: Path, flags: list[str]) -> Path:
     """Where `source`'s build is cached: keyed by its text and the headers it includes by a
     quoted path (relative to it), the compiler (its path and version) and the flags."""
     text = source.read_bytes()
     headers = b"".join((source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text))
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(text + headers + " ".join([compiler, version, *flags, *LINK_FLAGS]).encode())
+    key = hashlib.sha256(text + headers + " ".join([compiler, _version(compiler), *flags, *LINK_FLAGS]).encode())
     root = Path(os.environ.get("KVPOOL_KERNEL_CACHE") or Path.home() / ".cache" / "kvpool" / "kernels")
     return root / key.hexdigest()[:16] / f"{source.stem}.so"
 

@@ -27,10 +27,7 @@ SOURCES = (build.CSRC / "layer_ops.c", cpu_kernel.SOURCE, cpu_kernel.PREFILL_SOU
 ESTIMATE = re.compile(r"^\s*[0-9a-f]+:\s.*\t(v?rcp\w*|v?rsqrt\w*)\s", re.MULTILINE)
 
 
-def runnable() -> list[str]:
-    """The classes this CPU can run, best first."""
-    words = set(build.cpu_flags().split())
-    return [name for name, _, needs in build._classes() if needs <= words]
+runnable = build.supported_isas  # the classes this CPU can run, best first
 
 
 @pytest.fixture(autouse=True)
