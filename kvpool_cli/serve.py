@@ -145,6 +145,7 @@ def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
     from engine.kv_connector import KVConnectorError
     from engine.llm_engine import LLMEngine
     from engine.loader import ModelLoadError
+    from engine.native.build import KernelBuildError
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,7 +156,8 @@ def _build_engine(args: argparse.Namespace, prog: str):  # noqa: ANN202
         return None
     try:
         return LLMEngine(config)
-    except (ModelLoadError, ValueError, KVConnectorError) as err:
+    # KernelBuildError: a $KVPOOL_KERNEL_ISA this CPU cannot run (a failed build only logs)
+    except (ModelLoadError, ValueError, KVConnectorError, KernelBuildError) as err:
         print(f"kvpool {prog}: error: {err}", file=sys.stderr)
         return None
 

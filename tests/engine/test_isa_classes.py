@@ -68,6 +68,16 @@ def test_a_class_this_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
         build.compile_flags()
 
 
+def test_a_server_given_a_class_this_cpu_lacks_says_so_in_one_line() -> None:
+    env = {**os.environ, build.ISA_ENV: "avx9000"}
+    r = subprocess.run([sys.executable, "-m", "kvpool_cli", "generate", "--prompt", "hi", "--max-tokens", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvpool generate: error: KVPOOL_KERNEL_ISA='avx9000'") and "can be built for" in last
+    assert "Traceback" not in r.stderr
+
+
 KERNEL_TESTS = ("tests/engine/test_layer_ops.py", "tests/engine/test_cpu_attention.py",
                 "tests/engine/test_prefill_kernel.py")
 
