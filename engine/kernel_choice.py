@@ -28,6 +28,8 @@ shapes. `choose` keeps the faster one per weight shape, under these rules:
 - The C kernel's rows per micro-kernel call (`layer_ops.panel_block_rows()`: what fits the
   CPU's vector registers) are timed too, per batch size of the mix: each gives the same bits,
   so the fastest is taken for the batch sizes up to it (`Choice.blocks`), with no margin.
+  `--kernels c` takes them from the cache too (or times them alone): on AVX2 the build's
+  default (2 rows) is far from the 6-row half panels a calibration picks.
 """
 from __future__ import annotations
 
@@ -95,12 +97,13 @@ class Choice:
     blocks: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
-        """How it was chosen, e.g. "calibrated: oneDNN / C time 1.36"."""
-        if not self.c_s:
-            return self.source
-        note = "" if self.invariant is not False else ", oneDNN's rows depend on the batch"
-        blocks = f", C rows per call {'/'.join(str(b) for _, b in self.blocks)}" if self.blocks else ""
-        return f"{self.source}: oneDNN / C time {self.onednn_s / self.c_s:.2f}{note}{blocks}"
+        """How it was chosen, e.g. "calibrated: oneDNN / C time 1.36, C rows per call 4/8"."""
+        parts = [f"oneDNN / C time {self.onednn_s / self.c_s:.2f}"] if self.c_s and self.onednn_s else []
+        if self.invariant is False:
+            parts.append("oneDNN's rows depend on the batch")
+        if self.blocks:
+            parts.append(f"C rows per call {'/'.join(str(b) for _, b in self.blocks)}")
+        return f"{self.source}: {', '.join(parts)}" if parts else self.source
 
 
 def block_for(blocks: tuple[tuple[int, int], ...], m: int) -> int:
@@ -215,6 +218,12 @@ def calibrate(op: Op) -> Choice:
     return Choice(kernel, c_s, onednn_s, invariant, "calibrated", blocks)
 
 
+def calibrate_blocks(op: Op) -> Choice:
+    """`--kernels c`: the C kernel, at the block rows `calibrate` would time (nothing else)."""
+    blocks, _, _ = time_blocks(op, HEAD_BATCHES if op.head else BATCHES)
+    return Choice(C, source="forced", blocks=blocks)
+
+
 # ---- the cache ---------------------------------------------------------------------------
 
 def cache_path() -> Path:
@@ -235,28 +244,35 @@ def machine_key() -> str:
 
 
 def choose(ops: Iterable[Op], mode: str = "auto", path: Path | None = None,
-           measure: Callable[[Op], Choice] = calibrate) -> dict[str, Choice]:
-    """op name -> its kernel. `mode` C / ONEDNN: that kernel for every op (no timing); auto:
-    the cached choice for this machine, or `measure` it now and cache it. A cache that cannot
-    be read or written is worked around (logged): the choice is then this process's alone."""
+           measure: Callable[[Op], Choice] | None = None) -> dict[str, Choice]:
+    """op name -> its kernel. auto: the cached choice for this machine, or `measure` it now
+    (`calibrate`) and cache it. ONEDNN: oneDNN for every op, nothing timed. C: the C kernel for
+    every op, at the block rows cached for this machine (an auto choice's, whichever kernel it
+    took), or `measure`d now (`calibrate_blocks`) and cached where there are none: a forced
+    choice fixes the kernel, not how many rows its calls take. A cache that cannot be read or
+    written is worked around (logged): the choice is then this process's alone."""
     ops = list(ops)
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {MODES}, got {mode!r}")
-    if mode != "auto":
+    if mode == ONEDNN:
         return {op.name: Choice(mode, source="forced") for op in ops}
+    measure = measure or (calibrate if mode == "auto" else calibrate_blocks)
     path = path or cache_path()
     machine = machine_key()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one calibration at a time; the next reads its result
-            return _choose_locked(ops, path, machine, measure)
+            return _choose_locked(ops, path, machine, measure, forced=mode == C)
     except OSError as err:
         log.warning("kernel choice cache %s unusable (%s): calibrating for this process only", path, err)
         return {op.name: measure(op) for op in ops}
 
 
-def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[Op], Choice]) -> dict[str, Choice]:
+def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[Op], Choice],
+                   forced: bool) -> dict[str, Choice]:
+    """`forced`: the C kernel whatever an entry says; an entry of block rows alone (what a forced
+    choice caches) serves it, and an auto choice measures over it."""
     try:
         cache = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -264,15 +280,21 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
     entries = cache.setdefault(machine, {})
     out, changed = {}, False
     for op in ops:
-        hit = entries.get(op.key)
-        if hit and hit.get("kernel") in (C, ONEDNN):
+        hit = entries.get(op.key) or {}
+        blocks = tuple((int(m), int(r)) for m, r in hit.get("blocks", ()))
+        if forced and "blocks" in hit:
+            out[op.name] = Choice(C, source="forced", blocks=blocks)
+            continue
+        if not forced and hit.get("kernel") in (C, ONEDNN):
             out[op.name] = Choice(hit["kernel"], hit.get("c_s", 0.0), hit.get("onednn_s", 0.0), hit.get("invariant"),
-                                  "cached", tuple((int(m), int(r)) for m, r in hit.get("blocks", ())))
+                                  "cached", blocks)
             continue
         choice = measure(op)
         out[op.name] = choice
-        entries[op.key] = {"kernel": choice.kernel, "c_s": choice.c_s, "onednn_s": choice.onednn_s,
-                           "invariant": choice.invariant, "blocks": [list(b) for b in choice.blocks]}
+        entry = {"blocks": [list(b) for b in choice.blocks]}
+        if not forced:
+            entry.update(kernel=choice.kernel, c_s=choice.c_s, onednn_s=choice.onednn_s, invariant=choice.invariant)
+        entries[op.key] = entry
         changed = True
         log.info("kernel for %s (%s): %s (%s)", op.name, op.key, choice.kernel, choice.describe())
     if changed:

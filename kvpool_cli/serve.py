@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--kernels", default="auto", choices=["auto", "c", "onednn"],
                    help="CPU float32 linears: auto = per op, the faster of our C panel kernel and oneDNN on this "
-                        "CPU (timed once per CPU model, cached in ~/.cache/kvpool/kernels.json)")
+                        "CPU (timed once per CPU model, cached in ~/.cache/kvpool/kernels.json); c / onednn = that "
+                        "kernel for every op (c still takes the rows per call timed for this CPU)")
     p.add_argument("--speculative-config", default="",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '

@@ -51,7 +51,7 @@ def test_the_choice_is_measured_once_per_machine_and_shape_then_read(tmp_path: P
     assert {n: c.kernel for n, c in cached.items()} == {n: c.kernel for n, c in first.items()}
     assert {c.source for c in cached.values()} == {"cached"}
     digest = hashlib.sha256(kc.machine_key().encode()).hexdigest()[:8]
-    assert kc.tag(cached) == f"|onednn:qkv@{digest}" and kc.tag(kc.choose(OPS, "c")) == ""
+    assert kc.tag(cached) == f"|onednn:qkv@{digest}" and kc.tag(kc.choose(OPS, "c", path)) == ""
     assert list(json.loads(path.read_text())) == [kc.machine_key()]
     torch_threads = torch.get_num_threads()
     try:  # engines with another thread count run the same kernels (their KV and answers agree)
@@ -122,6 +122,42 @@ def test_forced_modes_measure_nothing_and_bad_modes_are_refused(tmp_path: Path) 
     assert {c.kernel for c in forced.values()} == {kc.ONEDNN} and not (tmp_path / "k.json").exists()
     with pytest.raises(ValueError, match="kernels must be one of"):
         kc.choose(OPS, "fastest")
+
+
+def test_forced_c_runs_the_block_rows_calibrated_here_or_times_them(tmp_path: Path) -> None:
+    """`--kernels c` fixes the kernel, not its rows per call: it takes an auto choice's block
+    rows (even where auto took oneDNN), times them where the cache has none (and caches them
+    alone), and an auto choice later measures over such an entry."""
+    from engine import layer_ops
+
+    path = tmp_path / "kernels.json"
+    rows = layer_ops.panel_block_rows()
+    auto = {"qkv": kc.Choice(kc.ONEDNN, 1.0, 0.5, True, "calibrated", ((8, rows[-1]), (512, rows[0])))}
+    kc.choose(OPS[:1], "auto", path, lambda op: auto[op.name])
+    timed: list[str] = []
+
+    def blocks_only(op: kc.Op) -> kc.Choice:
+        timed.append(op.name)
+        return kc.Choice(kc.C, source="forced", blocks=((64, rows[-1]),))
+
+    forced = kc.choose(OPS, "c", path, blocks_only)
+    assert {c.kernel for c in forced.values()} == {kc.C} and kc.tag(forced) == ""
+    assert forced["qkv"].blocks == auto["qkv"].blocks and timed == ["gate_up", "lm_head"]
+    assert forced["lm_head"].describe() == f"forced: C rows per call {rows[-1]}"
+    assert kc.choose(OPS, "c", path, lambda op: pytest.fail("timed again"))["gate_up"].blocks == ((64, rows[-1]),)
+    measured: list[str] = []
+
+    def full(op: kc.Op) -> kc.Choice:
+        measured.append(op.name)
+        return kc.Choice(kc.C, 1.0, 1.1, None, "calibrated", ((1, rows[0]),))
+
+    again = kc.choose(OPS, "auto", path, full)
+    assert measured == ["gate_up", "lm_head"] and again["qkv"].kernel == kc.ONEDNN
+    assert again["gate_up"].source == "calibrated"
+    # the real timing: one of the build's row counts for each batch size of the mix
+    op = kc.Op("o", 64, 96)
+    timed_here = kc.calibrate_blocks(op)
+    assert [m for m, _ in timed_here.blocks] == list(kc.BATCHES) and {r for _, r in timed_here.blocks} <= set(rows)
 
 
 def test_engines_calibrating_at_once_end_with_one_choice(tmp_path: Path) -> None:
