@@ -158,7 +158,10 @@ def scheduler(client: ScriptedClient):  # noqa: ANN201
     from connector.pool_scheduler import PoolScheduler
     from connector.settings import PoolConnectorSettings
 
-    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False}
+    # A deadline no loaded machine reaches: these tests are about what an answer offers (the
+    # default 0.1 s would turn a late lookup thread into a miss); deadlines: `make` above.
+    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False,
+             "lookup_deadline_s": 30}
     settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
     return PoolScheduler(settings, "ns", 4, consume=True, produce=False, client=client)
 

@@ -60,7 +60,10 @@ def scheduler(client: ScriptedClient, fake: FakeStage):  # noqa: ANN201
     from connector.pool_scheduler import PoolScheduler
     from connector.settings import PoolConnectorSettings
 
-    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False}
+    # A deadline no loaded machine reaches (the default 0.1 s would turn a late lookup thread
+    # into a miss); deadlines are tests/connector/test_lookup.py's.
+    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False,
+             "lookup_deadline_s": 30}
     settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
     ps = PoolScheduler(settings, "ns", 4, consume=True, produce=False, client=client)
     assert ps._prefetch is not None
@@ -108,10 +111,13 @@ def test_offer_never_blocks_and_drops_when_the_queue_is_full() -> None:
     try:
         assert pf.offer("b:9", [b"1" * 32])
         assert fake.entered.wait(5)                       # the thread holds the first request
-        t0 = time.monotonic()
-        assert pf.offer("b:9", [b"2" * 32])               # queued
-        assert not pf.offer("b:9", [b"3" * 32])           # full: dropped
-        assert time.monotonic() - t0 < 0.5                # never waited on the held stage call
+        offers: list[bool] = []                           # made while the stage call is held, for good:
+        caller = threading.Thread(target=lambda: offers.extend(  # an offer that waited on it never returns
+            [pf.offer("b:9", [b"2" * 32]), pf.offer("b:9", [b"3" * 32])]))
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive(), "offer waited on the stage call in progress"
+        assert offers == [True, False]                    # queued, then full: dropped
         assert pf.counters()["connector_prefetch_dropped"] == 1
         fake.gate.set()
         wait_for(lambda: pf.counters()["connector_prefetch_staged"] == 2)

@@ -72,7 +72,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_alone: VllmProcess) -
             # B: the same weights at another path and served under another name (they share).
             # B reads a little after its lookup, so a test can kill the source in between.
             "B": VllmProcess(run / "B.log", linked_copy(model, run / "copy" / "weights"), "vllm-b", ms.address,
-                             cpus="1", extra_config={"debug_load_delay_s": 1.0}, served_name="smollm2-b"),
+                             cpus="1", extra_config={"debug_load_delay_s": 3.0}, served_name="smollm2-b"),
             # R: started by the README's command, as written (node-a, served as its model's path).
             "R": ReadmeNode(run / "R.log", model, "node-a", ms.address, served_name=str(model)),
             "C": vllm_alone,
@@ -147,7 +147,7 @@ def test_source_killed_while_b_loads_recomputes_identically(cluster: dict) -> No
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(b.complete(prompt + suffix, 24)["choices"][0]))
     worker.start()
-    wait_for(lambda: b.metric(HITS) > hits, timeout_s=60)         # B's lookup hit A's blocks; its read waits 1 s
+    wait_for(lambda: b.metric(HITS) > hits, timeout_s=60)         # B's lookup hit A's blocks; its read waits 3 s
     a.kill()                                                     # SIGKILL: the read fails
     worker.join(timeout=240)
     assert not worker.is_alive(), "B's request never finished (looping or stuck in WAITING_FOR_REMOTE_KVS)"

@@ -97,13 +97,15 @@ def test_drain_and_undrain_are_kept_in_etcd(metaserver_factory) -> None:
 def test_lease_expiry_drops_node_on_every_replica(metaserver_factory) -> None:
     a, b = metaserver_factory(), metaserver_factory()
     with MetaClient(a.address) as ca, MetaClient(b.address) as cb:
-        ca.register_node("short", "127.0.0.1:9001", 0, CAP, NS, 1)
+        # 4 s: long enough that replica B shows the records before they go on a loaded machine
+        # (a 1 s lease could run out first), short enough to wait out.
+        ca.register_node("short", "127.0.0.1:9001", 0, CAP, NS, 4)
         ca.register_node("long", "127.0.0.1:9002", 0, CAP, NS, 60)
         ca.publish("short", recs(range(32)))
         ca.publish("long", recs(range(100, 104)))
         wait_for(lambda: matched(cb, range(32)) == 32)
         # No keepalive: the lease runs out and etcd deletes the node's keys.
-        wait_for(lambda: matched(ca, range(32)) <= 0 and matched(cb, range(32)) <= 0, timeout_s=10)
+        wait_for(lambda: matched(ca, range(32)) <= 0 and matched(cb, range(32)) <= 0, timeout_s=30)
         for c in (ca, cb):
             assert [n.node_id for n, _ in c.list_nodes()] == ["long"]
             assert matched(c, range(100, 104)) == 4

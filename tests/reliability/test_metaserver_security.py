@@ -173,7 +173,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(mtls_server: Metas
 def test_node_session_over_mutual_tls_with_the_node_token(mtls_server: MetaserverProcess, certs: Certs) -> None:
     node = ClientSecurity(certs("ca.crt"), certs("client.crt"), certs("client.key"), token=NODE_TOKEN)
     with MetaClient(mtls_server.address, security=node) as c:
-        session = NodeSession(c, "mtls-node", "127.0.0.1:7009", 0, CAP, NS, lambda: recs(range(5)), lease_ttl_s=1)
+        session = NodeSession(c, "mtls-node", "127.0.0.1:7009", 0, CAP, NS, lambda: recs(range(5)), lease_ttl_s=30)
         session.start()
         try:
             assert c.query_prefix(NS, [h(i) for i in range(5)]).num_matched == 5

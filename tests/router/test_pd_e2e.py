@@ -34,7 +34,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         consumer = EngineProcess(run / "decode.log", "decode-0", ms.address, pool_size="256MiB",
                                  extra_args=(*ENGINE_ARGS, "--kv-role", "consumer"),
                                  kv_transfer_config={"kv_connector": "mooncake",
-                                                     "kv_connector_extra_config": {"debug_load_delay_s": 0.5}})
+                                                     "kv_connector_extra_config": {"debug_load_delay_s": 2.0}})
         reference = EngineProcess(run / "reference.log", "reference", extra_args=ENGINE_ARGS)
         nodes = [producer, consumer, reference]
         router = None
@@ -114,7 +114,7 @@ def test_a_producer_killed_before_the_read_means_a_recompute_with_the_same_outpu
     sender = threading.Thread(target=lambda: result.update(complete(router.url, ids)))
     sender.start()
     wait_for(lambda: router_counter(router, "pd_handoffs_total") > handoffs, timeout_s=120, interval_s=0.02)
-    pd["producer"].proc.send_signal(signal.SIGKILL)   # within the consumer's 0.5 s before its read
+    pd["producer"].proc.send_signal(signal.SIGKILL)   # within the consumer's 2 s before its read
     sender.join(300)
     after = consumer.stats()
     assert result["choices"][0]["token_ids"] == complete(pd["reference"].url, ids)["choices"][0]["token_ids"]
