@@ -37,7 +37,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_alone: VllmProcess) -
     with EtcdProcess(run / "etcd") as etcd, MetaserverProcess(etcd.endpoint, run / "metaserver.log") as ms:
         procs = {"P": VllmProcess(run / "P.log", model, "vllm-p", ms.address, cpus="0",
                                   extra_config={"save_policy": "selective"}),
-                 "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="1"),
+                 # D waits for P's blocks to reach the index up to handoff_wait_s (5 s by default,
+                 # then it computes the prompt itself): a bound a loaded machine must not decide.
+                 "D": VllmProcess(run / "D.log", model, "vllm-d", ms.address, cpus="1",
+                                  extra_config={"handoff_wait_s": 30}),
                  "C": vllm_alone}
         client = MetaClient(ms.address)
         try:
