@@ -449,7 +449,8 @@ class PoolScheduler:
         """connector_hit_blocks and the lookups' counters (lookup_*)."""
         view = {} if self._view is None else {
             "lookup_view_answers": self.view_answers, "lookup_view_current": int(self._view.current()),
-            "lookup_view_snapshots": self._view.snapshots, "lookup_view_resumes": self._view.resumes}
+            "lookup_view_snapshots": self._view.snapshots, "lookup_view_resumes": self._view.resumes,
+            "lookup_view_copies": self._view.num_copies()}
         return {"connector_hit_blocks": self.hit_blocks, "connector_saves_skipped": self._save_policy.skipped,
                 "connector_handoff_loads": self.handoff_loads, "connector_handoff_sends": self.handoff_sends,
                 "connector_handoff_bad_params": self.handoff_bad_params,

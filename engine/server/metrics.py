@@ -97,6 +97,7 @@ ENGINE_STATS: dict[str, Stat] = {
     "lookup_view_current": _gauge("1 while the node-local index view is complete and current"),
     "lookup_view_snapshots": _counter("Index snapshots the view received"),
     "lookup_view_resumes": _counter("View reconnects that replayed changes instead of a snapshot"),
+    "lookup_view_copies": _gauge("Block copies (a block on a node) the node-local index view holds"),
     # the connector's worker half (connector.pool_worker.PoolWorker.counters, with its saver)
     "connector_loaded_blocks": _counter("Blocks loaded from the pool and validated"),
     "connector_failed_blocks": _counter("Blocks whose load failed (recomputed)"),

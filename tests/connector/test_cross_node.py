@@ -52,8 +52,12 @@ def wait_published(node: EngineProcess, at_least: int) -> None:
 def test_b_pulls_a_prefix_from_a_and_matches_local_compute(nodes: dict[str, EngineProcess]) -> None:
     a, b, c = nodes["A"], nodes["B"], nodes["C"]
     prompt, suffix = tokens(1, 1040), tokens(2, 60)
+    copies = b.stats()["lookup_view_copies"]
     a.complete(prompt, 8)
     wait_published(a, 1040 // BS)
+    # B looks up in its index view, fed by a stream: wait until the view holds A's blocks too
+    # (published means the metaserver has them; the view may be a message behind).
+    wait_for(lambda: b.stats()["lookup_view_copies"] >= copies + 1040 // BS, timeout_s=20, interval_s=0.05)
     before = b.stats()
     got = b.complete(prompt + suffix, 24)
     after = b.stats()
