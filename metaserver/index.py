@@ -307,6 +307,10 @@ class BlockIndex:
     def num_blocks_of(self, node_id: NodeId) -> int:
         return len(self._node_hashes.get(node_id, ()))
 
+    def num_copies(self) -> int:
+        """`stats().num_copies` without walking every copy (a node's blocks are one namespace's)."""
+        return sum(len(hashes) for hashes in self._node_hashes.values())
+
     @staticmethod
     def _namespace_stats(ns: Namespace, blocks: dict[BlockHash, dict[NodeId, BlockLocation]]) -> NamespaceStats:
         copies = [loc for holders in blocks.values() for loc in holders.values()]

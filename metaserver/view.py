@@ -110,7 +110,7 @@ class IndexView:
 
     def num_copies(self) -> int:
         with self._lock:
-            return self._index.stats().num_copies
+            return self._index.num_copies()
 
     def close(self) -> None:
         self._stop.set()

@@ -63,7 +63,7 @@ def test_unknown_node_cannot_add_and_remove_node_drops_blocks() -> None:
     assert sorted(idx.remove_node(NodeId("a"))) == [h(0), h(1)]
     r = idx.query(NS, [h(0), h(1)])
     assert r.num_matched == 1 and r.locations[0].node_id == "b"
-    assert idx.stats().num_copies == 1
+    assert idx.stats().num_copies == idx.num_copies() == 1
 
 
 def test_changes_are_idempotent() -> None:
@@ -71,7 +71,7 @@ def test_changes_are_idempotent() -> None:
     idx.upsert_node(node("a"))
     publish(idx, "a", [0])
     publish(idx, "a", [0])
-    assert idx.stats().num_copies == 1
+    assert idx.stats().num_copies == idx.num_copies() == 1
     assert idx.remove_block(NodeId("a"), h(0))
     assert not idx.remove_block(NodeId("a"), h(0))
     assert idx.stats().num_blocks == 0
@@ -83,7 +83,7 @@ def test_reregistration_with_new_buffer_drops_old_blocks() -> None:
     publish(idx, "a", [0, 1])
     moved = NodeRecord(NodeId("a"), "a:2", 0x2000, 1 << 20, NS, 2, 10)
     assert sorted(idx.upsert_node(moved)) == [h(0), h(1)]
-    assert idx.query(NS, [h(0)]).num_matched == 0
+    assert idx.query(NS, [h(0)]).num_matched == 0 and idx.num_copies() == 0
 
 
 def test_invalidate_by_hash_namespace_all() -> None:
@@ -94,12 +94,13 @@ def test_invalidate_by_hash_namespace_all() -> None:
     publish(idx, "a", [0, 1, 2])
     publish(idx, "b", [1])
     publish(idx, "c", [5])
+    assert idx.num_copies() == idx.stats().num_copies == 5
     assert len(idx.remove_hashes(NS, [h(1)])) == 2
     assert idx.query(NS, [h(0), h(1)]).num_matched == 1
     assert len(idx.remove_namespace(NS)) == 2
-    assert idx.stats().num_copies == 1
+    assert idx.stats().num_copies == idx.num_copies() == 1
     assert len(idx.remove_all()) == 1
-    assert idx.stats().num_copies == 0 and idx.stats().num_nodes == 3
+    assert idx.stats().num_copies == idx.num_copies() == 0 and idx.stats().num_nodes == 3
 
 
 def test_prefix_by_node_counts_each_holders_own_run() -> None:
