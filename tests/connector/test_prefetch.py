@@ -16,6 +16,7 @@ from connector.prefetch import Prefetcher
 from metaserver.types import BlockHash, BlockLocation, Medium, NodeId, NodeRecord, QueryResult
 from tests.conftest import wait_for
 from tests.connector.test_lookup import ScriptedClient, hashes, matched
+from tests.connector.test_lookup import scheduler as lookup_scheduler
 
 
 class FakeStage:
@@ -57,15 +58,7 @@ class MixedClient(ScriptedClient):
 
 
 def scheduler(client: ScriptedClient, fake: FakeStage):  # noqa: ANN201
-    from connector.pool_scheduler import PoolScheduler
-    from connector.settings import PoolConnectorSettings
-
-    # A deadline no loaded machine reaches (the default 0.1 s would turn a late lookup thread
-    # into a miss); deadlines are tests/connector/test_lookup.py's.
-    extra = {"metaserver": "127.0.0.1:1", "node_id": "me", "suspect_s": 30, "lookup_view": False,
-             "lookup_deadline_s": 30}
-    settings = PoolConnectorSettings.from_extra(lambda k, d=None: extra.get(k, d), 30.0)
-    ps = PoolScheduler(settings, "ns", 4, consume=True, produce=False, client=client)
+    ps = lookup_scheduler(client)
     assert ps._prefetch is not None
     ps._prefetch.close()
     ps._prefetch = Prefetcher(1.0, stage_fn=fake)
