@@ -25,7 +25,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     device: str = "auto"                   # auto = cuda if available, else cpu
     attention_backend: str = "auto"        # auto = triton on cuda, torch on cpu (attention/cpu_backend.py)
-    kernels: str = "auto"                  # CPU float32 linears: auto (faster of C / oneDNN here), c or onednn
+    kernels: str = "auto"                  # CPU float32: auto (faster of C / oneDNN or torch per op here), c or onednn
     served_model_name: str = ""            # name in the API; default: the model's own name
     kv_transfer_config: KVTransferConfig | None = None  # a KV connector (--kv-connector); None = local cache only
     speculative_config: SpeculativeConfig | None = None  # speculative decoding (--speculative-config); None = off

@@ -30,6 +30,9 @@ shapes. `choose` keeps the faster one per weight shape, under these rules:
   so the fastest is taken for the batch sizes up to it (`Choice.blocks`), with no margin.
   `--kernels c` takes them from the cache too (or times them alone): on AVX2 the build's
   default (2 rows) is far from the 6-row half panels a calibration picks.
+
+The attention and elementwise ops are chosen by the same rule and cache, against torch's
+paths (engine/op_choice.py).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ from engine.native import build
 
 log = logging.getLogger(__name__)
 
-C, ONEDNN = "c", "onednn"
+C, ONEDNN, TORCH = "c", "onednn", "torch"  # TORCH: attention and layer ops (engine/op_choice.py)
 MODES = ("auto", C, ONEDNN)
 MARGIN = 0.15                     # oneDNN must be this much faster (fraction of the C kernel's time)
 BATCHES = (1, 8, 64, 512)         # decode batch sizes and a prefill chunk's rows
@@ -71,6 +74,7 @@ class Op:
     in_dim: int
     gated: bool = False
     head: bool = False
+    fallback = "oneDNN"  # the kernel timed against the C one, as `Choice.describe` names it
 
     @property
     def key(self) -> str:
@@ -95,12 +99,13 @@ class Choice:
     # The C kernel's rows per micro-kernel call by batch size: (up to m rows, block rows), the
     # bounds ascending, the last used beyond its bound too; () = the build's default.
     blocks: tuple[tuple[int, int], ...] = ()
+    other: str = "oneDNN"         # what `onednn_s` timed: oneDNN for the linears, torch for the rest
 
     def describe(self) -> str:
         """How it was chosen, e.g. "calibrated: oneDNN / C time 1.36, C rows per call 4/8"."""
-        parts = [f"oneDNN / C time {self.onednn_s / self.c_s:.2f}"] if self.c_s and self.onednn_s else []
+        parts = [f"{self.other} / C time {self.onednn_s / self.c_s:.2f}"] if self.c_s and self.onednn_s else []
         if self.invariant is False:
-            parts.append("oneDNN's rows depend on the batch")
+            parts.append(f"{self.other}'s rows depend on the batch")
         if self.blocks:
             parts.append(f"C rows per call {'/'.join(str(b) for _, b in self.blocks)}")
         return f"{self.source}: {', '.join(parts)}" if parts else self.source
@@ -119,13 +124,13 @@ def faster(c_s: float, onednn_s: float) -> bool:
 
 
 def decide(c_s: float, onednn_s: float, invariant: Callable[[], bool],
-           again: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)) -> tuple[str, bool | None]:
-    """The rule: oneDNN only if at least MARGIN faster in the first round and in each of
-    CONFIRM_ROUNDS more (`again` times one), and batch-invariant (probed only then)."""
+           again: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0), other: str = ONEDNN) -> tuple[str, bool | None]:
+    """The rule: `other` (oneDNN) only if at least MARGIN faster in the first round and in each
+    of CONFIRM_ROUNDS more (`again` times one), and batch-invariant (probed only then)."""
     if not faster(c_s, onednn_s) or not all(faster(*again()) for _ in range(CONFIRM_ROUNDS)):
         return C, None
     ok = invariant()
-    return (ONEDNN if ok else C), ok
+    return (other if ok else C), ok
 
 
 # ---- timing and probing the two kernels on random weights of the op's shape ------------------
@@ -149,7 +154,7 @@ def _kernels(op: Op, seed: int = 0) -> tuple[Callable[..., torch.Tensor], Callab
     return (lambda x, rows=0: layer_ops.panel_matmul(x, panels, rows)), onednn
 
 
-def _fastest_calls(fns: dict, x: torch.Tensor) -> dict:
+def fastest_calls(fns: dict, x: torch.Tensor) -> dict:
     """Each function's fastest of REPEATS calls on x, their calls interleaved (a load that comes
     and goes weighs on all)."""
     for fn in fns.values():
@@ -174,7 +179,7 @@ def time_blocks(op: Op, batches: Iterable[int]) -> tuple[tuple[tuple[int, int], 
     blocks, c_total, onednn_total = [], 0.0, 0.0
     with torch.inference_mode():
         for m in sorted(batches):
-            t = _fastest_calls(fns, torch.randn(m, op.in_dim))
+            t = fastest_calls(fns, torch.randn(m, op.in_dim))
             rows = min((r for r in t if r != ONEDNN), key=lambda r: t[r])
             blocks.append((m, rows))
             c_total += t[rows]
@@ -190,7 +195,7 @@ def time_both(op: Op, batches: Iterable[int], blocks: tuple[tuple[int, int], ...
     with torch.inference_mode():
         for m in batches:
             rows = block_for(blocks, m)
-            t = _fastest_calls({C: lambda x: c_fn(x, rows), ONEDNN: onednn_fn}, torch.randn(m, op.in_dim))
+            t = fastest_calls({C: lambda x: c_fn(x, rows), ONEDNN: onednn_fn}, torch.randn(m, op.in_dim))
             c_total += t[C]
             onednn_total += t[ONEDNN]
     return c_total, onednn_total
@@ -285,9 +290,9 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
         if forced and "blocks" in hit:
             out[op.name] = Choice(C, source="forced", blocks=blocks)
             continue
-        if not forced and hit.get("kernel") in (C, ONEDNN):
+        if not forced and hit.get("kernel") in (C, ONEDNN, TORCH):
             out[op.name] = Choice(hit["kernel"], hit.get("c_s", 0.0), hit.get("onednn_s", 0.0), hit.get("invariant"),
-                                  "cached", blocks)
+                                  "cached", blocks, op.fallback)
             continue
         choice = measure(op)
         out[op.name] = choice
@@ -304,15 +309,16 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
     return out
 
 
-def tag(choices: dict[str, Choice]) -> str:
+def tag(choices: dict[str, Choice], prefix: str = TAG_PREFIX) -> str:
     """The layout fingerprint's part for these choices: empty when every op runs the C kernel,
-    else the ops on oneDNN and a digest of `machine_key()`. oneDNN picks its code and blocking
-    by the CPU it runs on (its ISA, its caches), so its bits are only known to agree on one CPU
-    model with one torch: a oneDNN choice never shares blocks beyond that."""
+    else `prefix`, the ops on the other kernel and a digest of `machine_key()`. oneDNN (and
+    torch's own CPU kernels) pick their code and blocking by the CPU they run on (its ISA, its
+    caches), so their bits are only known to agree on one CPU model with one torch: such a
+    choice never shares blocks beyond that."""
     other = sorted(name for name, c in choices.items() if c.kernel != C)
     if not other:
         return ""
-    return f"{TAG_PREFIX}{','.join(other)}@{hashlib.sha256(machine_key().encode()).hexdigest()[:8]}"
+    return f"{prefix}{','.join(other)}@{hashlib.sha256(machine_key().encode()).hexdigest()[:8]}"
 
 
 def isa_tag(flags: str | None = None) -> str:

@@ -6,41 +6,23 @@ the cache, and returns the hidden states of the requested tokens.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from engine import kernel_choice, layer_ops
+from engine import kernel_choice, layer_ops, op_choice
 from engine.attention import cpu_kernel
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import PagedKVCache
 from engine.model_config import ModelConfig
 from engine.op_timer import OpTimer
+from engine.torch_ops import add_rms_norm, apply_rope, rms_norm, rope_args, silu_mul
+
+__all__ = ["AttentionFn", "Linear", "LlamaModel", "apply_rope", "rms_norm"]
 
 AttentionFn = Callable[[torch.Tensor, PagedKVCache, int, AttentionMetadata, float], torch.Tensor]
-
-
-# The elementwise steps below work in place on fresh intermediates where they can (fewer large
-# allocations per layer); each op and its operands are as before, so results are the same to the bit.
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
-    if dtype == torch.float32:
-        return y.mul_(weight)
-    return weight * y.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """RoPE: x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1). Computed as
-    roll(x) * sin_signed (sin with its first half negated): the same products up to sign, so the
-    same result to the bit, in fewer ops."""
-    x32 = x.float()
-    out = x32 * cos
-    out.add_(x32.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed))
-    return out.to(x.dtype)
 
 
 # Batch size the oneDNN weight packing is tuned for (decode batches are up to max_num_seqs).
@@ -118,7 +100,6 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.attention = attention
         self.op_timer: OpTimer | None = None  # engine.op_timer; set by `kvpool bench engine --ops`
         to = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
         self.embed = to(weights["model.embed_tokens.weight"])
@@ -129,6 +110,13 @@ class LlamaModel:
         chosen = {name: c.kernel for name, c in self.kernel_choices.items()}
         panels = {op.name: fused_ops and chosen.get(op.name, kernel_choice.C) == kernel_choice.C for op in ops}
         blocks = {name: c.blocks for name, c in self.kernel_choices.items()}
+        # The attention and elementwise ops' C kernels or torch paths (engine/op_choice.py).
+        self.cpu_attention = getattr(attention, "__module__", "").endswith("cpu_backend")
+        self.op_choices = op_choice.choose(op_choice.available_ops(config, self.cpu_attention), kernels) \
+            if fused_ops and layer_ops.usable(self.embed) else {}
+        torch_decode, torch_prefill = self._on_torch(op_choice.ATTN_DECODE), self._on_torch(op_choice.ATTN_PREFILL)
+        self.attention = functools.partial(attention, c_decode=not torch_decode, c_prefill=not torch_prefill) \
+            if torch_decode or torch_prefill else attention
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
                               panels["lm_head"], blocks.get("lm_head", ()))
         self.norm = to(weights["model.norm.weight"])
@@ -142,13 +130,18 @@ class LlamaModel:
         self.cos, self.sin = emb.cos(), emb.sin()
         self.sin_signed = torch.cat((-self.sin[:, :hd // 2], self.sin[:, hd // 2:]), dim=-1)
         self.scale = hd ** -0.5
-        self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM
+        self.fused = fused_ops and layer_ops.usable(self.cos, self.norm) and hd <= layer_ops.MAX_HEAD_DIM \
+            and not self._on_torch(op_choice.LAYER_OPS)
+
+    def _on_torch(self, name: str) -> bool:
+        choice = self.op_choices.get(name)
+        return choice is not None and choice.kernel == kernel_choice.TORCH
 
     def kernel_tag(self) -> str:
         """The KV layout fingerprint's part for the kernels: on CPU the ISA class the C kernels are
-        built for, then the linears on oneDNN (none: all C, as by default)."""
+        built for, then the linears on oneDNN and the other ops on torch (none: all C, as by default)."""
         isa = kernel_choice.isa_tag() if self.device.type == "cpu" else ""
-        return isa + kernel_choice.tag(self.kernel_choices)
+        return isa + kernel_choice.tag(self.kernel_choices) + op_choice.tag(self.op_choices)
 
     @torch.inference_mode()
     def kernels(self) -> dict[str, str]:
@@ -160,11 +153,12 @@ class LlamaModel:
         blocks = torch.empty((1, 1, 2, 16, self.config.num_kv_heads, self.config.head_dim), dtype=self.dtype,
                              device=self.device)
         q = torch.empty((1, self.config.num_heads, self.config.head_dim), dtype=self.dtype, device=self.device)
-        cpu_attention = getattr(self.attention, "__module__", "").endswith("cpu_backend")
 
         def op(name: str, lin: Linear | None, impl: str = "") -> str:  # and how it was chosen
-            choice = self.kernel_choices.get(name)
+            choice = self.kernel_choices.get(name) or self.op_choices.get(name)
             return (impl or linear(lin)) + (f" [{choice.describe()}]" if choice else "")  # type: ignore[arg-type]
+        decode_c = cpu_kernel.supports(blocks, q.shape[1], blocks.shape[4]) and not self._on_torch(op_choice.ATTN_DECODE)
+        prefill_c = cpu_kernel.supports_prefill(q, blocks) and not self._on_torch(op_choice.ATTN_PREFILL)
         return {
             "qkv projection": op("qkv", first.qkv),
             "o projection": op("o", first.o),
@@ -172,11 +166,11 @@ class LlamaModel:
                                               else f"{linear(first.gate_up)} + separate SiLU"),  # type: ignore[arg-type]
             "down projection": op("down", first.down),
             "lm head": op("lm_head", self.lm_head),
-            "norms, RoPE, SiLU": "C layer ops" if layer_ops.usable(self.embed) else "torch",
-            "attention, decode": ("C paged decode" if cpu_kernel.supports(blocks, q.shape[1], blocks.shape[4])
-                                  else "torch SDPA") if cpu_attention else "Triton paged attention",
-            "attention, prefill": ("C flash prefill" if cpu_kernel.supports_prefill(q, blocks) else "torch SDPA")
-            if cpu_attention else "Triton paged attention",
+            "norms, RoPE, SiLU": op(op_choice.LAYER_OPS, None, "C layer ops" if self.fused else "torch"),
+            "attention, decode": op(op_choice.ATTN_DECODE, None, "C paged decode" if decode_c else "torch SDPA")
+            if self.cpu_attention else "Triton paged attention",
+            "attention, prefill": op(op_choice.ATTN_PREFILL, None, "C flash prefill" if prefill_c else "torch SDPA")
+            if self.cpu_attention else "Triton paged attention",
         }
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
@@ -262,7 +256,7 @@ class LlamaModel:
 
     def _rope_args(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.fused:
-            return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
+            return rope_args(positions, self.cos, self.sin_signed)
         # The C op indexes the tables itself: check what the torch indexing would have refused.
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             raise IndexError(f"position {int(positions.max())} beyond the RoPE table ({self.cos.shape[0]})")
@@ -279,9 +273,7 @@ class LlamaModel:
         eps = self.config.rms_eps
         if self.fused:
             return layer_ops.rms_norm(h, weight, eps) if delta is None else layer_ops.add_rms_norm(h, delta, weight, eps)
-        if delta is not None:
-            h.add_(delta)
-        return rms_norm(h, weight, eps)
+        return add_rms_norm(h, delta, weight, eps)
 
     def _swiglu(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T): one C call over the gated panels where packed."""
@@ -290,7 +282,4 @@ class LlamaModel:
         return self._silu_mul(layer.gate_up(x))
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return layer_ops.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+        return layer_ops.silu_mul(gate_up) if self.fused else silu_mul(gate_up)

@@ -26,9 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--kernels", default="auto", choices=["auto", "c", "onednn"],
-                   help="CPU float32 linears: auto = per op, the faster of our C panel kernel and oneDNN on this "
-                        "CPU (timed once per CPU model, cached in ~/.cache/kvpool/kernels.json); c / onednn = that "
-                        "kernel for every op (c still takes the rows per call timed for this CPU)")
+                   help="CPU float32 kernels: auto = per op, the faster of our C kernel and its fallback on this "
+                        "CPU (the linears against oneDNN; attention, norms, RoPE and SiLU against torch; timed once "
+                        "per CPU model, cached in ~/.cache/kvpool/kernels.json); c / onednn = that kernel for every "
+                        "linear and the C kernels for the rest (c still takes the rows per call timed for this CPU)")
     p.add_argument("--speculative-config", default="",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '

@@ -33,18 +33,19 @@ def causal_mask(num_query: int, context_len: int, device: torch.device) -> torch
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
-                    scale: float, c_kernels: bool = True) -> torch.Tensor:
+                    scale: float, c_decode: bool = True, c_prefill: bool = True) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim] -> output of the same shape (the new K/V are already cached).
-    c_kernels=False: the torch paths even where the C kernels run (`kvpool bench kernels` times both)."""
+    c_decode / c_prefill False: the torch path for the decode rows / the prefill chunks even where
+    the C kernel runs (engine/op_choice.py times both and keeps the faster)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if c_kernels and cpu_kernel.supports(cache.blocks, q.shape[1], cache.layout.num_kv_heads) and q.stride(-1) == 1:
+    if c_decode and cpu_kernel.supports(cache.blocks, q.shape[1], cache.layout.num_kv_heads) and q.stride(-1) == 1:
         rows, ctx, tables, starts = meta.decode_tables
         if rows.numel():
             cpu_kernel.paged_decode(q, cache.blocks, layer, rows, ctx, tables, starts, out, scale)
     else:
         for g in meta.decode_groups(cache.layout.block_size):
             out.index_copy_(0, g.rows, _decode_group_attention(q.index_select(0, g.rows), cache, layer, g, scale))
-    in_place = c_kernels and cpu_kernel.supports_prefill(q, cache.blocks)
+    in_place = c_prefill and cpu_kernel.supports_prefill(q, cache.blocks)
     for s in meta.prefill_seqs:
         qs = q[s.query_start:s.query_start + s.num_query]
         if in_place and cpu_kernel.paged_prefill(qs, cache.blocks, layer, s.block_table, s.context_len,

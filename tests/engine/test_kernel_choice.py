@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from engine import kernel_choice as kc
+from engine import op_choice
 from engine.attention import cpu_kernel
 from engine.kernel_tags import is_kernel_tag, layout_part
 from engine.native import build
-from kvpool_bench.kernels_bench import ATTENTION_SHAPES, DECODE_SHAPES
+from engine.op_choice import DECODE_SHAPES, PREFILL_SHAPES
 from tests.engine.conftest import make_engine, run_all
 
 OPS = [kc.Op("qkv", 960, 576), kc.Op("gate_up", 3072, 576, gated=True), kc.Op("lm_head", 4096, 576, head=True)]
@@ -86,13 +87,15 @@ def test_the_cpu_class_tag_names_the_isa_class_the_kernels_are_built_for(monkeyp
     monkeypatch.delenv(build.ISA_ENV)
     monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
     assert kc.isa_tag("fp asimd") == "|isa:base" and build.isa_flags("base") == []
-    for good in ("", "|isa:x86_64_v3", "|onednn:down", "|isa:x86_64_v3|onednn:down,gate_up,lm_head@0a1b2c3d"):
+    for good in ("", "|isa:x86_64_v3", "|onednn:down", "|isa:x86_64_v3|onednn:down,gate_up,lm_head@0a1b2c3d",
+                 "|isa:x86_64_v4|torch:attn_prefill@0a1b2c3d", "|isa:x86_64_v4|onednn:o@0a1b2c3d|torch:layer_ops@0a1b2c3d"):
         assert is_kernel_tag(good), good
     base = "smollm2-135m|float32|bs16|L30|kv3|hd64"
-    for tags in ("", "|isa:x86_64_v4", "|onednn:down@0a1b2c3d", "|isa:x86_64|onednn:o,qkv"):
+    for tags in ("", "|isa:x86_64_v4", "|onednn:down@0a1b2c3d", "|isa:x86_64|onednn:o,qkv", "|torch:attn_decode@0a1b2c3d"):
         assert layout_part(base + tags) == base
     for bad in ("|onednn:", "|onednn:down|isa:x86_64_v3", "|isa:x86_64_v3 ", "|bf16", "|onednn:Down",
-                "|onednn:down@0a1b", "|onednn:down@0A1B2C3D"):
+                "|onednn:down@0a1b", "|onednn:down@0A1B2C3D", "|torch:", "|torch:layer_ops|onednn:down",
+                "|torch:layer_ops|isa:x86_64_v4"):
         assert not is_kernel_tag(bad), bad
 
 
@@ -215,7 +218,8 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
         assert o.model.kernels()["qkv projection"].startswith("oneDNN packed")
         chosen = {n: ch.kernel for n, ch in auto.model.kernel_choices.items()}
         assert sorted(chosen) == ["down", "gate_up", "lm_head", "o", "qkv"]
-        assert auto.fingerprint == c.fingerprint + kc.tag(auto.model.kernel_choices)
+        assert auto.fingerprint == c.fingerprint + kc.tag(auto.model.kernel_choices) + op_choice.tag(auto.model.op_choices)
+        assert sorted(auto.model.op_choices) == sorted(op.name for op in op_choice.available_ops(loaded.config))
         assert (tmp_path / "kvpool" / "kernels.json").exists()
         for ch in auto.model.kernel_choices.values():  # oneDNN only where it was probed invariant
             assert ch.kernel == kc.C or ch.invariant is True
@@ -227,7 +231,7 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
             e.close()
 
 
-def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(tmp_path: Path) -> None:
+def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(loaded, tmp_path: Path) -> None:  # noqa: ANN001
     import os
 
     proc = subprocess.run([sys.executable, "-m", "kvpool_cli", "bench", "kernels", "--threads", "1", "--write"],
@@ -243,13 +247,18 @@ def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(tmp_path: Pa
         assert batches == list(kc.HEAD_BATCHES if r[0] == "lm_head" else kc.BATCHES), r
     prefill = [line.split() for line in proc.stdout.splitlines() if line.startswith("prefill ")]
     decode = [line.split() for line in proc.stdout.splitlines() if line.startswith("decode ")]
-    assert [(int(r[1]), int(r[3])) for r in prefill] == list(ATTENTION_SHAPES), proc.stdout
+    assert [(int(r[1]), int(r[3])) for r in prefill] == list(PREFILL_SHAPES), proc.stdout
     assert [(int(r[1]), int(r[3])) for r in decode] == list(DECODE_SHAPES), proc.stdout
     blocks = torch.zeros(1, 1, 2, 16, 3, 64)
     for lines, built in ((prefill, cpu_kernel.supports_prefill(torch.zeros(1, 9, 64), blocks)),
                          (decode, cpu_kernel.supports(blocks, 9, 3))):  # torch's time over the C kernel's
         assert all((float(r[4]) > 0 if built else r[4:] == ["C", "kernel", "not", "built"]) for r in lines), proc.stdout
+    # then each attention / elementwise op's choice, where its C kernel is built
+    built = [op.key for op in op_choice.available_ops(loaded.config)]
+    chosen = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] and line.split()[1] in built]
+    assert [r[1] for r in chosen] == built, proc.stdout
+    assert all(float(r[2]) > 0 and r[3] in ("True", "False") and r[4] in ("C", "torch") for r in chosen), proc.stdout
     cached = json.loads((tmp_path / "kvpool" / "kernels.json").read_text())
     (entries,) = cached.values()
-    assert sorted(entries) == sorted(["960x576", "576x576", "3072x576-gated", "576x1536", "49152x576"])
-    assert {e["kernel"] for e in entries.values()} <= {kc.C, kc.ONEDNN}
+    assert sorted(entries) == sorted(["960x576", "576x576", "3072x576-gated", "576x1536", "49152x576", *built])
+    assert {e["kernel"] for e in entries.values()} <= {kc.C, kc.ONEDNN, kc.TORCH}
