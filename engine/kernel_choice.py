@@ -74,7 +74,8 @@ class Op:
     in_dim: int
     gated: bool = False
     head: bool = False
-    fallback = "oneDNN"  # the kernel timed against the C one, as `Choice.describe` names it
+    kind = ONEDNN        # the kernel timed against the C one
+    fallback = "oneDNN"  # and its name in `Choice.describe`
 
     @property
     def key(self) -> str:
@@ -290,7 +291,7 @@ def _choose_locked(ops: list[Op], path: Path, machine: str, measure: Callable[[O
         if forced and "blocks" in hit:
             out[op.name] = Choice(C, source="forced", blocks=blocks)
             continue
-        if not forced and hit.get("kernel") in (C, ONEDNN, TORCH):
+        if not forced and hit.get("kernel") in (C, op.kind):
             out[op.name] = Choice(hit["kernel"], hit.get("c_s", 0.0), hit.get("onednn_s", 0.0), hit.get("invariant"),
                                   "cached", blocks, op.fallback)
             continue

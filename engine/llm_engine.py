@@ -66,7 +66,8 @@ class LLMEngine:
         dtype = getattr(torch, config.dtype)
         self.device = pick_device(config.device)
         self.model = LlamaModel(mc, loaded.weights, dtype, self.device,
-                                pick_attention(config.attention_backend, self.device), kernels=config.kernels)
+                                pick_attention(config.attention_backend, self.device), kernels=config.kernels,
+                                block_size=config.block_size)
         self.layout = CacheLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, dtype)
         kvt = config.kv_transfer_config
         header_bytes = factory.connector_class(kvt).cache_header_bytes if kvt else 0

@@ -92,11 +92,12 @@ class Layer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, attention: AttentionFn, use_onednn: bool = True,
-                 fused_ops: bool = True, kernels: str = "auto") -> None:
+                 fused_ops: bool = True, kernels: str = "auto", block_size: int = 16) -> None:
         """`fused_ops`: on CPU in float32, the elementwise steps run as fused C calls
         (engine/layer_ops.py) where that library builds; False keeps the torch ops.
         `kernels`: the linears' matmul there, per op (engine/kernel_choice.py): auto (the faster
-        of our C panel kernel and oneDNN on this CPU, batch-invariant either way), c or onednn."""
+        of our C panel kernel and oneDNN on this CPU, batch-invariant either way), c or onednn;
+        with auto the attention and layer ops too (engine/op_choice.py, at the cache's `block_size`)."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -110,18 +111,21 @@ class LlamaModel:
         chosen = {name: c.kernel for name, c in self.kernel_choices.items()}
         panels = {op.name: fused_ops and chosen.get(op.name, kernel_choice.C) == kernel_choice.C for op in ops}
         blocks = {name: c.blocks for name, c in self.kernel_choices.items()}
-        # The attention and elementwise ops' C kernels or torch paths (engine/op_choice.py).
-        self.cpu_attention = getattr(attention, "__module__", "").endswith("cpu_backend")
-        self.op_choices = op_choice.choose(op_choice.available_ops(config, self.cpu_attention), kernels) \
-            if fused_ops and layer_ops.usable(self.embed) else {}
-        torch_decode, torch_prefill = self._on_torch(op_choice.ATTN_DECODE), self._on_torch(op_choice.ATTN_PREFILL)
-        self.attention = functools.partial(attention, c_decode=not torch_decode, c_prefill=not torch_prefill) \
-            if torch_decode or torch_prefill else attention
         self.lm_head = Linear(self.embed if config.tie_embeddings else to(weights["lm_head.weight"]), use_onednn,
                               panels["lm_head"], blocks.get("lm_head", ()))
         self.norm = to(weights["model.norm.weight"])
         self.layers = [Layer({k: v.to(device) for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
                              f"model.layers.{i}.", dtype, use_onednn, panels, blocks) for i in range(config.num_layers)]
+        # The attention and elementwise ops' C kernels or torch paths (engine/op_choice.py); the
+        # SiLU is one of them where the gated panels do not fuse it.
+        self.cpu_attention = getattr(attention, "__module__", "").endswith("cpu_backend")
+        separate_silu = not self.layers or self.layers[0].gated is None
+        self.op_choices = op_choice.choose(op_choice.available_ops(config, self.cpu_attention, block_size,
+                                                                   separate_silu), kernels) \
+            if fused_ops and layer_ops.usable(self.embed) else {}
+        torch_decode, torch_prefill = self._on_torch(op_choice.ATTN_DECODE), self._on_torch(op_choice.ATTN_PREFILL)
+        self.attention = functools.partial(attention, c_decode=not torch_decode, c_prefill=not torch_prefill) \
+            if torch_decode or torch_prefill else attention
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
         t = torch.arange(config.max_position, dtype=torch.float32, device=device)

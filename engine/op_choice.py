@@ -24,7 +24,9 @@ before, untagged. `--kernels c` and `--kernels onednn` time none of this: the C 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,11 +45,14 @@ ATTN_DECODE, ATTN_PREFILL, LAYER_OPS = "attn_decode", "attn_prefill", "layer_ops
 PREFILL_SHAPES = ((128, 128), (512, 512), (512, 2048), (2048, 2048))
 # (sequences, context each) of decode attention calls
 DECODE_SHAPES = ((1, 512), (8, 512), (8, 2048), (64, 1024))
-BLOCK_SIZE = 16        # the cache's block size in the timed and probed calls (the engine's default)
-# the probes: a context prefilled whole and in chunks of these sizes; decode contexts batched
-PROBE_CONTEXT = 1000
+# The probes: contexts prefilled whole and in chunks of these sizes; decode rows of these
+# contexts batched in the groups below (SDPA pads a group to its longest member: 400 and 600
+# together cross 512 keys, where torch's flash kernel changes its key blocks), each under
+# every thread count in `probe_threads`.
+PROBE_CONTEXTS = (1000, 2100)
 PROBE_CHUNKS = (2, 37, 256, 512)
-PROBE_DECODE_CONTEXTS = (1, 5, 16, 17, 100, 513, 1000, 2048)
+PROBE_DECODE_CONTEXTS = (1, 15, 16, 17, 100, 257, 400, 600, 700, 1023, 1025, 2100)
+PROBE_DECODE_GROUPS = ((4, 5), (6, 7, 8), (0, 1, 2, 3), (3, 9, 10), tuple(range(0, 12, 2)))
 
 
 @dataclass(frozen=True)
@@ -60,28 +65,34 @@ class FallbackOp:
     hidden: int
     intermediate: int
     eps: float
+    block_size: int = 16   # the KV cache's tokens per block (attention)
+    silu: bool = True      # the layer's SiLU-and-multiply is a step of its own (not fused into gate+up)
+    kind = kc.TORCH        # the kernel timed against the C one
     fallback = "torch"
 
     @property
     def key(self) -> str:
         heads = f"{self.heads}x{self.kv_heads}x{self.head_dim}"
-        return f"{self.name}-{heads}" if self.name != LAYER_OPS else f"{self.name}-{self.hidden}-{heads}-{self.intermediate}"
+        if self.name != LAYER_OPS:
+            return f"{self.name}-{heads}-bs{self.block_size}"
+        return f"{self.name}-{self.hidden}-{heads}-{self.intermediate}{'-silu' if self.silu else ''}"
 
 
-def model_ops(config: ModelConfig) -> list[FallbackOp]:
+def model_ops(config: ModelConfig, block_size: int = 16, silu: bool = True) -> list[FallbackOp]:
     c = config
-    return [FallbackOp(name, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_eps)
-            for name in (ATTN_DECODE, ATTN_PREFILL, LAYER_OPS)]
+    return [FallbackOp(name, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_eps,
+                       block_size, silu) for name in (ATTN_DECODE, ATTN_PREFILL, LAYER_OPS)]
 
 
-def available_ops(config: ModelConfig, cpu_attention: bool = True) -> list[FallbackOp]:
+def available_ops(config: ModelConfig, cpu_attention: bool = True, block_size: int = 16,
+                  silu: bool = True) -> list[FallbackOp]:
     """The model's ops whose C kernel is built on this CPU (attention only on the CPU backend)."""
-    blocks = torch.empty((1, 1, 2, BLOCK_SIZE, config.num_kv_heads, config.head_dim))
+    blocks = torch.empty((1, 1, 2, block_size, config.num_kv_heads, config.head_dim))
     q = torch.empty((1, config.num_heads, config.head_dim))
     built = {ATTN_DECODE: cpu_attention and cpu_kernel.supports(blocks, config.num_heads, config.num_kv_heads),
              ATTN_PREFILL: cpu_attention and cpu_kernel.supports_prefill(q, blocks),
              LAYER_OPS: layer_ops.library() is not None and config.head_dim <= layer_ops.MAX_HEAD_DIM}
-    return [op for op in model_ops(config) if built[op.name]]
+    return [op for op in model_ops(config, block_size, silu) if built[op.name]]
 
 
 def choose(ops: list[FallbackOp], mode: str = "auto", path: Path | None = None,
@@ -134,8 +145,8 @@ def timing_cases(op: FallbackOp, seed: int = 0) -> list[tuple[str, Callable[[boo
 
 def _paged(op: FallbackOp, contexts: list[int], gen: torch.Generator) -> tuple[PagedKVCache, list[torch.Tensor]]:
     """A one-layer cache of random K/V holding sequences of these contexts, and their block tables."""
-    nbs = [-(-ctx // BLOCK_SIZE) for ctx in contexts]
-    cache = PagedKVCache(CacheLayout(1, op.kv_heads, op.head_dim, BLOCK_SIZE, torch.float32), sum(nbs) + 1)
+    nbs = [-(-ctx // op.block_size) for ctx in contexts]
+    cache = PagedKVCache(CacheLayout(1, op.kv_heads, op.head_dim, op.block_size, torch.float32), sum(nbs) + 1)
     cache.blocks.normal_(generator=gen)
     ids = (1 + torch.randperm(sum(nbs), generator=gen)).split(nbs)
     return cache, list(ids)
@@ -152,8 +163,14 @@ def _attention_call(op: FallbackOp, seqs: list[tuple[int, int]], gen: torch.Gene
     cache, tables = _paged(op, [ctx for _, ctx in seqs], gen)
     starts = [sum(rows for rows, _ in seqs[:i]) for i in range(len(seqs))]
     spans = [SeqSpan(s, rows, ctx, t) for s, (rows, ctx), t in zip(starts, seqs, tables)]
-    q = torch.randn(sum(rows for rows, _ in seqs), op.heads, op.head_dim, generator=gen)
+    q = _queries(op, sum(rows for rows, _ in seqs), gen)
     return lambda c: _attention(op, cache, q, spans, c)
+
+
+def _queries(op: FallbackOp, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, heads, head_dim] queries as the model passes them: a view of the QKV projection's rows."""
+    qkv = torch.randn(n, op.heads + 2 * op.kv_heads, op.head_dim, generator=gen)
+    return qkv[:, :op.heads]
 
 
 def _layer_inputs(op: FallbackOp, m: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -181,23 +198,43 @@ def _layer_call(op: FallbackOp, m: int, gen: torch.Generator) -> Callable[[bool]
         if c:
             layer_ops.add_rms_norm(h, delta, w, op.eps)
             layer_ops.rope_(x["qk"], x["positions"], x["cos"], x["sin_signed"])
-            layer_ops.silu_mul(x["gate_up"])
+            if op.silu:
+                layer_ops.silu_mul(x["gate_up"])
             return layer_ops.add_rms_norm(h, delta, w, op.eps)
         torch_ops.add_rms_norm(h, delta, w, op.eps)
         torch_ops.apply_rope(x["qk"], *args)
-        torch_ops.silu_mul(x["gate_up"])
+        if op.silu:
+            torch_ops.silu_mul(x["gate_up"])
         return torch_ops.add_rms_norm(h, delta, w, op.eps)
     return run
 
 
 # ---- the probes: a row's bits on the torch path, however its pass was batched -----------------
 
+def probe_threads() -> tuple[int, ...]:
+    """The thread counts a probe runs its parts under: an engine's --threads may be any (the
+    choice is cached per machine, not per thread count), and torch splits rows by it."""
+    return tuple(sorted({1, 2, 3, torch.get_num_threads(), os.cpu_count() or 1}))
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def torch_invariant(op: FallbackOp) -> bool:
-    """Whether the torch path's rows are bit-identical however the engine may batch or chunk them."""
+    """Whether the torch path's rows are bit-identical however the engine may batch or chunk
+    them, with any thread count. (Not probed, as the C kernels do not have it either: a row
+    computed as a one-row chunk, which runs as a decode row, against the same row in a longer chunk.)"""
     with torch.inference_mode():
         if op.name == LAYER_OPS:
-            return layer_invariant(op, _torch_layer_ops())
-        return attention_invariant(op, c=False)
+            return layer_invariant(op, _torch_layer_ops(), threads=probe_threads())
+        return attention_invariant(op, c=False, threads=probe_threads())
 
 
 def _torch_layer_ops() -> dict[str, Callable[..., torch.Tensor]]:
@@ -207,46 +244,57 @@ def _torch_layer_ops() -> dict[str, Callable[..., torch.Tensor]]:
 
 
 def layer_invariant(op: FallbackOp, fns: dict[str, Callable[..., torch.Tensor]],
-                    batches: tuple[int, ...] = kc.PROBE_BATCHES) -> bool:
-    """The first m rows of each step's output equal its output on those m rows alone, at every m."""
+                    batches: tuple[int, ...] = kc.PROBE_BATCHES, threads: tuple[int, ...] = ()) -> bool:
+    """The first m rows of each step's output equal its output on those m rows alone, at every m
+    (under each of `threads`, against the whole batch under the current thread count)."""
     x = _layer_inputs(op, max(batches), torch.Generator().manual_seed(1))
     calls = {"norm": lambda m: fns["norm"](x["h"][:m].clone(), x["delta"][:m], x["weight"], op.eps),
              "rope": lambda m: fns["rope"](x["qk"][:m].clone(), x["positions"][:m], x["cos"], x["sin_signed"]),
              "silu_mul": lambda m: fns["silu_mul"](x["gate_up"][:m].contiguous())}
     for call in calls.values():
         full = call(max(batches))
-        if not all(torch.equal(call(m), full[:m]) for m in batches):
-            return False
+        for n in threads or (torch.get_num_threads(),):
+            with _threads(n):
+                if not all(torch.equal(call(m), full[:m]) for m in batches):
+                    return False
     return True
 
 
-def attention_invariant(op: FallbackOp, c: bool) -> bool:
-    """The path's (c: C kernels, else torch) rows: a context prefilled whole equals it prefilled in
-    chunks of each `PROBE_CHUNKS` size (none of one row: that is a decode row), and each decode
-    row batched with contexts of every length in `PROBE_DECODE_CONTEXTS` equals it alone and in
-    the batch of the first half."""
+def attention_invariant(op: FallbackOp, c: bool, threads: tuple[int, ...] = ()) -> bool:
+    """The path's (c: C kernels, else torch) rows, under each of `threads` against the current
+    thread count's: each context of `PROBE_CONTEXTS` prefilled whole equals it prefilled in
+    chunks of each `PROBE_CHUNKS` size (none of one row: that runs as a decode row); each decode
+    row of `PROBE_DECODE_CONTEXTS` in one batch of all equals it alone and in each group of
+    `PROBE_DECODE_GROUPS` (other neighbours, other padding)."""
     gen = torch.Generator().manual_seed(2)
+    threads = threads or (torch.get_num_threads(),)
     if op.name == ATTN_PREFILL:
-        ctx = PROBE_CONTEXT
-        cache, (table,) = _paged(op, [ctx], gen)
-        q = torch.randn(ctx, op.heads, op.head_dim, generator=gen)
-        whole = _attention(op, cache, q, [SeqSpan(0, ctx, ctx, table)], c)
-        for size in PROBE_CHUNKS:
-            at = 0
-            while at < ctx:
-                n = min(size, ctx - at)
-                n += 1 if ctx - at - n == 1 else 0
-                part = _attention(op, cache, q[at:at + n].contiguous(), [SeqSpan(0, n, at + n, table)], c)
-                if not torch.equal(part, whole[at:at + n]):
-                    return False
-                at += n
+        for ctx in PROBE_CONTEXTS:
+            cache, (table,) = _paged(op, [ctx], gen)
+            q = _queries(op, ctx, gen)
+            whole = _attention(op, cache, q, [SeqSpan(0, ctx, ctx, table)], c)
+            for n_threads, size in ((t, size) for t in threads for size in PROBE_CHUNKS):
+                with _threads(n_threads):
+                    at = 0
+                    while at < ctx:
+                        n = min(size, ctx - at)
+                        n += 1 if ctx - at - n == 1 else 0
+                        if not torch.equal(_attention(op, cache, q[at:at + n], [SeqSpan(0, n, at + n, table)], c),
+                                           whole[at:at + n]):
+                            return False
+                        at += n
         return True
     contexts = list(PROBE_DECODE_CONTEXTS)
     cache, tables = _paged(op, contexts, gen)
-    q = torch.randn(len(contexts), op.heads, op.head_dim, generator=gen)
+    qkv = torch.randn(len(contexts), op.heads + 2 * op.kv_heads, op.head_dim, generator=gen)  # as `_queries`
 
     def rows(idx: list[int]) -> torch.Tensor:
-        return _attention(op, cache, q[idx].contiguous(), [SeqSpan(j, 1, contexts[i], tables[i]) for j, i in enumerate(idx)], c)
+        spans = [SeqSpan(j, 1, contexts[i], tables[i]) for j, i in enumerate(idx)]
+        return _attention(op, cache, qkv[idx][:, :op.heads], spans, c)
     every = rows(list(range(len(contexts))))
-    half = list(range(len(contexts) // 2))
-    return torch.equal(rows(half), every[half]) and all(torch.equal(rows([i])[0], every[i]) for i in range(len(contexts)))
+    groups = [list(g) for g in PROBE_DECODE_GROUPS] + [[i] for i in range(len(contexts))]
+    for n_threads in threads:
+        with _threads(n_threads):
+            if not all(torch.equal(rows(g), every[g]) for g in groups):
+                return False
+    return True

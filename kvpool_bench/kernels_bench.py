@@ -52,7 +52,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"{op.name:8s} {op.key:16s} {c.onednn_s / c.c_s:16.2f}  {str(invariant):>21s}  {blocks:>28s}  "
                   f"{'C panels' if c.kernel == kc.C else 'oneDNN'}  ({time.perf_counter() - t0:.2f} s)")
             last[op.name] = c
-    others = other_ops(config, args.rounds)
+    from engine import layer_ops
+
+    # as the engine runs it: the SiLU a step of its own unless the C gated panels fuse it
+    gated = last["gate_up"].kernel == kc.C and layer_ops.gated_packable(
+        torch.empty(2 * config.intermediate_size, config.hidden_size))
+    others = other_ops(config, args.rounds, silu=not gated)
     if args.write:
         path = kc.cache_path()
         path.unlink(missing_ok=True)
@@ -62,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def other_ops(config, rounds: int) -> dict:  # noqa: ANN001
+def other_ops(config, rounds: int, silu: bool) -> dict:  # noqa: ANN001
     """The attention and elementwise ops (engine/op_choice.py): per shape, the torch path's time
     over the C kernel's (the fastest of interleaved calls; "C kernel not built" where it is not),
     then each op's choice by the engine's rule, `rounds` times. Returns the last round's choices."""
@@ -71,9 +76,9 @@ def other_ops(config, rounds: int) -> dict:  # noqa: ANN001
     from engine import kernel_choice as kc
     from engine import op_choice as oc
 
-    built = {op.name for op in oc.available_ops(config)}
+    built = {op.name for op in oc.available_ops(config, silu=silu)}
     print(f"{'op':12s} {'rows x context':16s} {'torch / C time':>16s}  {'C (ms)':>8s}  {'torch (ms)':>10s}")
-    for op in oc.model_ops(config):
+    for op in oc.model_ops(config, silu=silu):
         kind = {oc.ATTN_PREFILL: "prefill", oc.ATTN_DECODE: "decode"}.get(op.name, op.name)
         for label, run in oc.timing_cases(op):
             if op.name not in built:
@@ -85,7 +90,7 @@ def other_ops(config, rounds: int) -> dict:  # noqa: ANN001
     print(f"{'op':12s} {'key':28s} {'torch / C time':>16s}  {'torch rows invariant':>20s}  chosen")
     last: dict = {}
     for _ in range(rounds):
-        for op in oc.model_ops(config):
+        for op in oc.model_ops(config, silu=silu):
             if op.name not in built:
                 continue
             t0 = time.perf_counter()

@@ -221,8 +221,8 @@ def test_the_engine_runs_and_names_the_kernels_chosen(loaded, tmp_path: Path, mo
         assert auto.fingerprint == c.fingerprint + kc.tag(auto.model.kernel_choices) + op_choice.tag(auto.model.op_choices)
         assert sorted(auto.model.op_choices) == sorted(op.name for op in op_choice.available_ops(loaded.config))
         assert (tmp_path / "kvpool" / "kernels.json").exists()
-        for ch in auto.model.kernel_choices.values():  # oneDNN only where it was probed invariant
-            assert ch.kernel == kc.C or ch.invariant is True
+        for ch in [*auto.model.kernel_choices.values(), *auto.model.op_choices.values()]:  # oneDNN or torch
+            assert ch.kernel == kc.C or ch.invariant is True                                # only where probed invariant
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         outs = [run_all(e, ["The capital of France is"], params)[0].token_ids for e in (c, o, auto)]
         assert all(len(x) == 8 for x in outs)
@@ -254,7 +254,8 @@ def test_bench_kernels_prints_each_op_and_writes_the_machine_choice(loaded, tmp_
                          (decode, cpu_kernel.supports(blocks, 9, 3))):  # torch's time over the C kernel's
         assert all((float(r[4]) > 0 if built else r[4:] == ["C", "kernel", "not", "built"]) for r in lines), proc.stdout
     # then each attention / elementwise op's choice, where its C kernel is built
-    built = [op.key for op in op_choice.available_ops(loaded.config)]
+    gated = any(r[0] == "gate_up" and "C" in r for r in rows)  # C gated panels: the SiLU is fused
+    built = [op.key for op in op_choice.available_ops(loaded.config, silu=not gated)]
     chosen = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] and line.split()[1] in built]
     assert [r[1] for r in chosen] == built, proc.stdout
     assert all(float(r[2]) > 0 and r[3] in ("True", "False") and r[4] in ("C", "torch") for r in chosen), proc.stdout
