@@ -188,7 +188,7 @@ class LlamaModel:
         timer = self.op_timer  # `kvpool bench engine --ops`: where the pass's time goes
         if timer is not None:
             timer.start()
-            attention_op = ("attention (decode rows)" if all(sp.num_query == 1 for sp in meta.seqs)
+            attention_op = ("attention (decode rows)" if all(sp.decode for sp in meta.seqs)
                             else "attention (with prefill)")
         h = self.embed[input_ids]  # a fresh tensor: the residual stream, updated in place
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -50,7 +50,7 @@ DECODE_SHAPES = ((1, 512), (8, 512), (8, 2048), (64, 1024))
 # together cross 512 keys, where torch's flash kernel changes its key blocks), each under
 # every thread count in `probe_threads`.
 PROBE_CONTEXTS = (1000, 2100)
-PROBE_CHUNKS = (2, 37, 256, 512)
+PROBE_CHUNKS = (1, 7, 37, 256, 512)
 PROBE_DECODE_CONTEXTS = (1, 15, 16, 17, 100, 257, 400, 600, 700, 1023, 1025, 2100)
 PROBE_DECODE_GROUPS = ((4, 5), (6, 7, 8), (0, 1, 2, 3), (3, 9, 10), tuple(range(0, 12, 2)))
 
@@ -229,8 +229,8 @@ def _threads(n: int) -> Iterator[None]:
 
 def torch_invariant(op: FallbackOp) -> bool:
     """Whether the torch path's rows are bit-identical however the engine may batch or chunk
-    them, with any thread count. (Not probed, as the C kernels do not have it either: a row
-    computed as a one-row chunk, which runs as a decode row, against the same row in a longer chunk.)"""
+    them, with any thread count. (Not asked of either path: a decode row's bits equal to the same
+    row's in a prefill chunk; the C kernels' sums differ there too.)"""
     with torch.inference_mode():
         if op.name == LAYER_OPS:
             return layer_invariant(op, _torch_layer_ops(), threads=probe_threads())
@@ -260,10 +260,22 @@ def layer_invariant(op: FallbackOp, fns: dict[str, Callable[..., torch.Tensor]],
     return True
 
 
+def _chunks(ctx: int, size: int) -> Iterator[tuple[int, int]]:
+    """(first row, rows) of a context prefilled in chunks of `size`; of one row only for the last
+    64 rows, after one chunk of the rest (as after a prefix hit)."""
+    at = 0
+    if size == 1 and ctx > 64:
+        yield 0, ctx - 64
+        at = ctx - 64
+    while at < ctx:
+        yield at, min(size, ctx - at)
+        at += size
+
+
 def attention_invariant(op: FallbackOp, c: bool, threads: tuple[int, ...] = ()) -> bool:
     """The path's (c: C kernels, else torch) rows, under each of `threads` against the current
     thread count's: each context of `PROBE_CONTEXTS` prefilled whole equals it prefilled in
-    chunks of each `PROBE_CHUNKS` size (none of one row: that runs as a decode row); each decode
+    chunks of each `PROBE_CHUNKS` size (one-row chunks as a prompt's, `SeqSpan.prompt_row`); each decode
     row of `PROBE_DECODE_CONTEXTS` in one batch of all equals it alone and in each group of
     `PROBE_DECODE_GROUPS` (other neighbours, other padding)."""
     gen = torch.Generator().manual_seed(2)
@@ -275,14 +287,10 @@ def attention_invariant(op: FallbackOp, c: bool, threads: tuple[int, ...] = ()) 
             whole = _attention(op, cache, q, [SeqSpan(0, ctx, ctx, table)], c)
             for n_threads, size in ((t, size) for t in threads for size in PROBE_CHUNKS):
                 with _threads(n_threads):
-                    at = 0
-                    while at < ctx:
-                        n = min(size, ctx - at)
-                        n += 1 if ctx - at - n == 1 else 0
-                        if not torch.equal(_attention(op, cache, q[at:at + n], [SeqSpan(0, n, at + n, table)], c),
+                    for at, n in _chunks(ctx, size):
+                        if not torch.equal(_attention(op, cache, q[at:at + n], [SeqSpan(0, n, at + n, table, True)], c),
                                            whole[at:at + n]):
                             return False
-                        at += n
         return True
     contexts = list(PROBE_DECODE_CONTEXTS)
     cache, tables = _paged(op, contexts, gen)

@@ -54,7 +54,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             block_ids = self.kv.block_ids(req.request_id)
             slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
-            spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device)))
+            spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                                 prompt_row=start < req.num_prompt_tokens))
             if s.samples:
                 logits_idx.extend(range(q0 + n - 1 - k, q0 + n))
                 samplers.append(s)

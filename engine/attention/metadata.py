@@ -13,6 +13,15 @@ class SeqSpan:
     num_query: int         # tokens computed in this pass (prefill chunk or 1 for decode)
     context_len: int       # tokens in the cache after this pass (history + these)
     block_table: torch.Tensor  # int64 [num_blocks_of_this_seq]
+    # A one-row chunk of a prompt (its last token after a prefix hit; a chunk's tail): attention
+    # runs it as a prefill chunk, not as a decode row. The kernels' sums differ in the last bits,
+    # and a prompt row's bits must not depend on how much of the prompt was a hit.
+    prompt_row: bool = False
+
+    @property
+    def decode(self) -> bool:
+        """A decode row: one query, not a prompt's."""
+        return self.num_query == 1 and not self.prompt_row
 
 
 # Decode batching (the CPU backend's path without the C decode kernel). Decode sequences are sorted by context length and cut into
@@ -50,8 +59,8 @@ class DecodeGroup:
 
 
 def plan_decode_groups(seqs: list[SeqSpan], block_size: int) -> list[DecodeGroup]:
-    """Group the num_query == 1 sequences of a pass for batched decode attention."""
-    dec = sorted((s for s in seqs if s.num_query == 1), key=lambda s: s.context_len, reverse=True)
+    """Group the decode sequences of a pass for batched decode attention."""
+    dec = sorted((s for s in seqs if s.decode), key=lambda s: s.context_len, reverse=True)
     n = len(dec)
     if not n:
         return []
@@ -131,7 +140,7 @@ class AttentionMetadata:
             if m and rows[first:j] != list(range(end - m, end)):
                 return None
             if m:
-                spans.append(SeqSpan(first, m, s.context_len, s.block_table))
+                spans.append(SeqSpan(first, m, s.context_len, s.block_table, not s.decode))
         if j != len(rows):  # rows outside every sequence, or out of order
             return None
         at = torch.tensor(rows, dtype=torch.long, device=self.slot_block_ids.device)
@@ -141,7 +150,7 @@ class AttentionMetadata:
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the C decode kernel, built once per pass: the one-query sequences' (rows [n], context
         lengths [n], block tables concatenated [sum of table lengths], each table's start [n]), int64."""
-        dec = [s for s in self.seqs if s.num_query == 1]
+        dec = [s for s in self.seqs if s.decode]
         device = self.slot_block_ids.device
         starts, at = [], 0
         for s in dec:
@@ -154,7 +163,7 @@ class AttentionMetadata:
 
     @cached_property
     def prefill_seqs(self) -> list[SeqSpan]:
-        return [s for s in self.seqs if s.num_query > 1]
+        return [s for s in self.seqs if not s.decode]
 
     def causal_mask(self, s: SeqSpan, dtype: torch.dtype) -> torch.Tensor:
         """0 / -inf [num_query, context_len] mask of a prefill chunk after history (query i at position

@@ -119,3 +119,18 @@ def test_batched_with_thirty_others_gives_identical_output(loaded, reference) ->
     assert outs[0].token_ids == expected[0]
     alone = run_all(make_engine(loaded), others[:1], GREEDY)
     assert outs[1].token_ids == alone[0].token_ids
+
+
+def test_a_prompt_computed_after_a_hit_to_its_last_token_gives_the_same_bits(loaded) -> None:  # noqa: ANN001
+    """The last prompt token alone after a prefix hit (a one-row chunk) runs as a prompt row, not a
+    decode row: its logprobs, and the tokens after it, are those of the prompt computed whole, to the
+    bit (the decode kernel's sums differ from the prefill kernel's in the last bits)."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = [p[:len(p) // 16 * 16 + 1] for p in varied_prompts(loaded.tokenizer) if len(p) > 40][:4]
+    whole = run_all(make_engine(loaded, enable_prefix_caching=False), prompts, params)
+    engine = make_engine(loaded)
+    run_all(engine, [p[:-1] for p in prompts], SamplingParams(max_tokens=1))  # the blocks before the last token
+    hit = run_all(engine, prompts, params)
+    assert [o.num_cached_tokens for o in hit] == [len(p) - 1 for p in prompts]
+    for w, h in zip(whole, hit):
+        assert h.token_ids == w.token_ids and h.logprobs == w.logprobs
