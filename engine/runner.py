@@ -21,6 +21,18 @@ if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnectorBase_V1
 
 
+def row_spans(q0: int, start: int, n: int, prompt_len: int, table: torch.Tensor) -> list[SeqSpan]:
+    """A sequence's n rows of a pass (from flat row q0, positions start..) as attention spans: its
+    prompt rows as one prefill chunk (of one row too), each row past the prompt as the decode row
+    it is (a new token, one verified with drafts, one recomputed after a preemption). So a row's
+    bits follow from its tokens alone, never from how the pass was scheduled: the decode and
+    prefill kernels' sums differ in the last bits."""
+    p = max(0, min(n, prompt_len - start))
+    spans = [SeqSpan(q0, p, start + p, table, prompt_row=True)] if p else []
+    spans += [SeqSpan(q0 + i, 1, start + i + 1, table) for i in range(p, n)]
+    return spans
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, cache: PagedKVCache, kv: KVCacheManager, sampler: Sampler,
                  connector: KVConnectorBase_V1 | None = None) -> None:
@@ -54,8 +66,8 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             block_ids = self.kv.block_ids(req.request_id)
             slot_blocks.extend(block_ids[p // bs] for p in range(start, start + n))
-            spans.append(SeqSpan(q0, n, start + n, torch.tensor(block_ids, dtype=torch.long, device=self.device),
-                                 prompt_row=start < req.num_prompt_tokens))
+            table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            spans.extend(row_spans(q0, start, n, req.num_prompt_tokens, table))
             if s.samples:
                 logits_idx.extend(range(q0 + n - 1 - k, q0 + n))
                 samplers.append(s)

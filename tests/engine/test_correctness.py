@@ -134,3 +134,19 @@ def test_a_prompt_computed_after_a_hit_to_its_last_token_gives_the_same_bits(loa
     assert [o.num_cached_tokens for o in hit] == [len(p) - 1 for p in prompts]
     for w, h in zip(whole, hit):
         assert h.token_ids == w.token_ids and h.logprobs == w.logprobs
+
+
+def test_tokens_recomputed_after_a_preemption_keep_their_bits(loaded) -> None:  # noqa: ANN001
+    """A preempted request's generated tokens are recomputed as the decode rows they were
+    (engine/runner.py `row_spans`), its prompt as prefill: the logprobs after the preemption
+    equal those of the request never preempted, to the bit."""
+    prompts = varied_prompts(loaded.tokenizer)[::3]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    alone = run_all(make_engine(loaded, enable_prefix_caching=False), prompts, params)
+    layout_bytes = make_engine(loaded, kv_cache_bytes=1 << 20).layout.block_bytes + 64
+    blocks = max(-(-len(p) // 16) for p in prompts) + 4  # as test_preemption_gives_identical_output
+    engine = make_engine(loaded, kv_cache_bytes=blocks * layout_bytes, enable_prefix_caching=False)
+    outs = run_all(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    for a, o in zip(alone, outs):
+        assert o.token_ids == a.token_ids and o.logprobs == a.logprobs

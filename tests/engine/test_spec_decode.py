@@ -221,3 +221,16 @@ def test_a_costly_proposer_that_never_pays_stops_being_tried_for_new_requests(lo
     assert outs[0].spec_steps >= 1
     assert outs[-1].spec_steps == 0
     assert all(o.token_ids == outs[0].token_ids for o in outs)
+
+
+def test_speculated_tokens_carry_plain_decodings_logprobs_to_the_bit(loaded) -> None:  # noqa: ANN001
+    """A verified row is the decode row it stands for (engine/runner.py `row_spans`): with drafts
+    accepted or not, every token's logprobs equal plain decoding's exactly, not to rounding."""
+    prompts = copy_prompts(loaded.tokenizer)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    plain_outs = run_all(make_engine(loaded, max_num_seqs=4), prompts, params)
+    engine = make_engine(loaded, max_num_seqs=4, speculative_config=NGRAM)
+    outs = run_all(engine, prompts, params)
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    for p, o in zip(plain_outs, outs):
+        assert o.token_ids == p.token_ids and o.logprobs == p.logprobs
