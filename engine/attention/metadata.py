@@ -13,9 +13,10 @@ class SeqSpan:
     num_query: int         # tokens computed in this pass (prefill chunk or 1 for decode)
     context_len: int       # tokens in the cache after this pass (history + these)
     block_table: torch.Tensor  # int64 [num_blocks_of_this_seq]
-    # A one-row chunk of a prompt (its last token after a prefix hit; a chunk's tail): attention
-    # runs it as a prefill chunk, not as a decode row. The kernels' sums differ in the last bits,
-    # and a prompt row's bits must not depend on how much of the prompt was a hit.
+    # Rows of a prompt (engine/runner.py `row_spans`): attention runs them as a prefill chunk
+    # even when there is one (the last token after a prefix hit; a chunk's tail in the last
+    # layer), never as a decode row. The kernels' sums differ in the last bits, and a prompt
+    # row's bits must not depend on how much of the prompt was a hit.
     prompt_row: bool = False
 
     @property
