@@ -250,7 +250,7 @@ class LlamaModel:
                          n: int) -> tuple[torch.Tensor, AttentionMetadata] | None:
         """The rows the last layer needs past its K/V write, and their attention metadata, where
         that is fewer than the pass's `n` (a prompt's tokens but its last): the logits rows, when
-        they are each sequence's last query tokens (what the runner asks for); else None."""
+        they are each span's last query tokens (what the runner asks for); else None."""
         if logits_indices.shape[0] >= n:  # decode passes: every row samples (no device-to-host copy)
             return None
         sub = meta.query_tails(logits_indices.tolist())

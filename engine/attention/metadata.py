@@ -10,7 +10,7 @@ import torch
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
     query_start: int       # first of this sequence's tokens in the flat batch
-    num_query: int         # tokens computed in this pass (prefill chunk or 1 for decode)
+    num_query: int         # tokens computed in this pass (a prompt chunk, or 1 for a decode row)
     context_len: int       # tokens in the cache after this pass (history + these)
     block_table: torch.Tensor  # int64 [num_blocks_of_this_seq]
     # Rows of a prompt (engine/runner.py `row_spans`): attention runs them as a prefill chunk
@@ -149,7 +149,7 @@ class AttentionMetadata:
 
     @cached_property
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For the C decode kernel, built once per pass: the one-query sequences' (rows [n], context
+        """For the C decode kernel, built once per pass: the decode spans' (rows [n], context
         lengths [n], block tables concatenated [sum of table lengths], each table's start [n]), int64."""
         dec = [s for s in self.seqs if s.decode]
         device = self.slot_block_ids.device
@@ -182,14 +182,24 @@ class AttentionMetadata:
     @cached_property
     def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For the Triton kernel, built once per pass: (block_tables [S, max_blocks] int32
-        zero-padded, token_seq [T] int32 = sequence of each token, token_pos [T] int32)."""
+        zero-padded, one per distinct table, token_seq [T] int32 = each token's table row,
+        token_pos [T] int32)."""
         device = self.slot_block_ids.device
         width = max(len(s.block_table) for s in self.seqs)
-        tables = torch.zeros(len(self.seqs), width, dtype=torch.int32)
+        # one row per block table: a request's spans (its prompt rows, each row past the prompt)
+        # share one tensor, copied to the host once
+        row_of: dict[int, int] = {}
+        for s in self.seqs:
+            row_of.setdefault(id(s.block_table), len(row_of))
+        tables = torch.zeros(len(row_of), width, dtype=torch.int32)
         seq_of: list[int] = []
         pos_of: list[int] = []
-        for i, s in enumerate(self.seqs):
-            tables[i, :len(s.block_table)] = s.block_table.to(torch.int32).cpu()
+        filled: set[int] = set()
+        for s in self.seqs:
+            i = row_of[id(s.block_table)]
+            if i not in filled:
+                tables[i, :len(s.block_table)] = s.block_table.to(torch.int32).cpu()
+                filled.add(i)
             seq_of += [i] * s.num_query
             pos_of += range(s.context_len - s.num_query, s.context_len)
         return (tables.to(device), torch.tensor(seq_of, dtype=torch.int32, device=device),

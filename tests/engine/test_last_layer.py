@@ -71,3 +71,29 @@ def test_last_layer_runs_on_sampled_rows_with_the_same_output(loaded, monkeypatc
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+def test_row_spans_split_prompt_rows_from_the_rows_past_the_prompt() -> None:
+    """engine/runner.py `row_spans`: a pass's prompt rows are one prefill span (of one row too),
+    each row past the prompt a decode span; the last layer's tails keep that kind; the Triton
+    tables hold one row per request however many spans it has."""
+    from engine.runner import row_spans
+
+    table = torch.arange(4)
+    chunk = row_spans(0, 16, 8, 40, table)      # a prompt chunk: one span
+    assert [(s.query_start, s.num_query, s.context_len, s.decode) for s in chunk] == [(0, 8, 24, False)]
+    tail = row_spans(3, 39, 1, 40, table)       # the prompt's last token alone (after a hit)
+    assert [(s.num_query, s.context_len, s.prompt_row, s.decode) for s in tail] == [(1, 40, True, False)]
+    verify = row_spans(4, 44, 4, 40, table)     # a decode row and 3 drafts
+    assert [(s.query_start, s.num_query, s.context_len, s.decode) for s in verify] == \
+        [(4 + i, 1, 45 + i, True) for i in range(4)]
+    straddle = row_spans(0, 38, 4, 40, table)   # recompute: 2 prompt rows, then 2 generated ones
+    assert [(s.num_query, s.context_len, s.decode) for s in straddle] == [(2, 40, False), (1, 41, True), (1, 42, True)]
+    total = 1 + 4
+    meta = AttentionMetadata([*row_spans(0, 39, 1, 40, table), *[SeqSpan(1 + i, 1, 45 + i, torch.arange(5)) for i in range(4)]],
+                             torch.arange(total), torch.arange(total))
+    assert [s.query_start for s in meta.prefill_seqs] == [0] and meta.decode_tables[0].tolist() == [1, 2, 3, 4]
+    sub = _meta([(0, 5, 25)]).query_tails([4])  # a prefill chunk's last row stays a prompt row
+    assert sub is not None and not sub.seqs[0].decode
+    tables, seq_of, pos_of = AttentionMetadata(straddle, torch.arange(4), torch.arange(4)).kernel_tables
+    assert tables.shape[0] == 1 and seq_of.tolist() == [0, 0, 0, 0] and pos_of.tolist() == [38, 39, 40, 41]
