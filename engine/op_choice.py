@@ -124,12 +124,18 @@ def time_cases(cases: list[tuple[str, Callable[[bool], object]]]) -> tuple[float
     """Summed seconds of (C, torch) over the cases: each case's fastest of `kc.REPEATS` calls,
     the two paths' calls interleaved."""
     c_s = torch_s = 0.0
-    with torch.inference_mode():
-        for _, run in cases:
-            t = kc.fastest_calls({kc.C: lambda _: run(True), kc.TORCH: lambda _: run(False)}, None)
-            c_s += t[kc.C]
-            torch_s += t[kc.TORCH]
+    for _, run in cases:
+        c, t = time_case(run)
+        c_s += c
+        torch_s += t
     return c_s, torch_s
+
+
+def time_case(run: Callable[[bool], object]) -> tuple[float, float]:
+    """(C, torch) seconds of one case: the fastest of `kc.REPEATS` interleaved calls each."""
+    with torch.inference_mode():
+        t = kc.fastest_calls({kc.C: lambda _: run(True), kc.TORCH: lambda _: run(False)}, None)
+    return t[kc.C], t[kc.TORCH]
 
 
 # ---- the op's calls: (label, run(c: bool)) at the model's shapes, on random inputs -----------

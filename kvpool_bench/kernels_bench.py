@@ -84,9 +84,8 @@ def other_ops(config, rounds: int, silu: bool) -> dict:  # noqa: ANN001
             if op.name not in built:
                 print(f"{kind:12s} {label:16s} {'C kernel not built':>16s}")
                 continue
-            with torch.inference_mode():
-                t = kc.fastest_calls({kc.C: lambda _, r=run: r(True), kc.TORCH: lambda _, r=run: r(False)}, None)
-            print(f"{kind:12s} {label:16s} {t[kc.TORCH] / t[kc.C]:16.2f}  {t[kc.C] * 1e3:8.2f}  {t[kc.TORCH] * 1e3:10.2f}")
+            c_s, torch_s = oc.time_case(run)
+            print(f"{kind:12s} {label:16s} {torch_s / c_s:16.2f}  {c_s * 1e3:8.2f}  {torch_s * 1e3:10.2f}")
     print(f"{'op':12s} {'key':28s} {'torch / C time':>16s}  {'torch rows invariant':>20s}  chosen")
     last: dict = {}
     for _ in range(rounds):
