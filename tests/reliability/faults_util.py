@@ -43,6 +43,7 @@ ENGINE_ARGS = ("--kv-cache-bytes", "64MiB", "--max-num-batched-tokens", "512", "
 LOAD_DELAY_S = 2.0        # B waits this long between its query and its read
 B_READ_TIMEOUT_S = 2.0    # B gives up on a read after this (frozen source)
 A_LEASE_TTL_S = 3
+LOOKUP_DEADLINE_S = 3.0   # how long a request waits for its lookup (see _kv_config)
 B_LEASE_TTL_S = 30
 # Nodes share 2 cores: OpenMP threads that spin after their work would steal the CPU.
 NODE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -350,8 +351,11 @@ class Pool:
 def _kv_config(extra: dict[str, object]) -> dict[str, object]:
     # Lookups by RPC: these drills test the path a node falls back to whenever its index view
     # is not current (deadline, breaker); the view's own faults are in tests/metaserver/test_view.py.
+    # A lookup waits up to LOOKUP_DEADLINE_S, not the default 0.1 s: on a slow, loaded machine a
+    # healthy lookup could miss 0.1 s, and the drills assert hits where the pool is healthy; a
+    # lookup to a dead or frozen metaserver still ends within query_timeout_s (1 s).
     return {"kv_connector": "mooncake", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lookup_view": False, **extra}}
+            "kv_connector_extra_config": {"lookup_view": False, "lookup_deadline_s": LOOKUP_DEADLINE_S, **extra}}
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
