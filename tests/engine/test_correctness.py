@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.native.build import kernel_isa
 from engine.request import SamplingParams
 from tests.engine.conftest import make_engine, run_all, varied_prompts
 
@@ -132,6 +133,24 @@ def test_a_prompt_computed_after_a_hit_to_its_last_token_gives_the_same_bits(loa
     run_all(engine, [p[:-1] for p in prompts], SamplingParams(max_tokens=1))  # the blocks before the last token
     hit = run_all(engine, prompts, params)
     assert [o.num_cached_tokens for o in hit] == [len(p) - 1 for p in prompts]
+    for w, h in zip(whole, hit):
+        assert h.token_ids == w.token_ids and h.logprobs == w.logprobs
+
+
+@pytest.mark.skipif(kernel_isa() not in ("x86_64_v4", "x86_64_v3"), reason="the C attention kernels need AVX2 with FMA")
+def test_a_follow_up_hitting_a_decoded_answer_gives_the_bits_of_the_prompt_prefilled(loaded) -> None:  # noqa: ANN001
+    """A second turn's prompt holds the first turn's answer, whose K/V the decode kernel computed
+    (cached here; on another node, pulled from the node that decoded it). The decode kernel
+    computes each row as the prefill kernel does, so the follow-up's logprobs equal those of the
+    same prompt prefilled whole on an engine that never saw the first turn, to the bit."""
+    prompts = varied_prompts(loaded.tokenizer)[1::5]
+    engine = make_engine(loaded, kernels="c")
+    first = run_all(engine, prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    follow_ups = [p + o.token_ids + p[:9] for p, o in zip(prompts, first)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    hit = run_all(engine, follow_ups, params)
+    assert all(h.num_cached_tokens >= len(p) + 16 for h, p in zip(hit, prompts))  # blocks of the answer hit
+    whole = run_all(make_engine(loaded, kernels="c", enable_prefix_caching=False), follow_ups, params)
     for w, h in zip(whole, hit):
         assert h.token_ids == w.token_ids and h.logprobs == w.logprobs
 

@@ -113,3 +113,39 @@ def test_a_rows_bits_do_not_depend_on_the_chunk_it_ran_in() -> None:
     for split in (1, 5, 6, 7, 8, 31, 32, 33, 64, 97, 149):
         assert torch.equal(run(0, split), whole[:split]), f"first chunk of a split at {split}"
         assert torch.equal(run(split, n), whole[split:]), f"second chunk of a split at {split}"
+
+
+def decode_rows(q: torch.Tensor, cache, table: torch.Tensor, positions: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """The decode kernel's rows for q's rows at `positions`, each a sequence of its own decoding
+    the token at that position (context: the keys up to and including it), in one batch."""
+    build(cpu_kernel.SOURCE)
+    block = cache.blocks.shape[3]
+    rows = torch.tensor(positions, dtype=torch.long)
+    ctx = rows + 1
+    tables = [table[:-(-(p + 1) // block)] for p in positions]
+    starts = torch.tensor([0] + [len(t) for t in tables[:-1]], dtype=torch.long).cumsum(0)
+    out = torch.zeros_like(q)
+    cpu_kernel.paged_decode(q, cache.blocks, 0, rows, ctx, torch.cat(tables).contiguous(), starts, out, 0.125)
+    return out[rows]
+
+
+@pytest.mark.skipif(not BUILT, reason="the kernel is not built on this CPU")
+@pytest.mark.parametrize("heads,kv_heads,block", [(9, 3, 16), (3, 3, 16), (10, 2, 8), (8, 2, 32), (6, 1, 16)])
+def test_a_decoded_rows_bits_are_the_prefill_rows(heads: int, kv_heads: int, block: int) -> None:
+    """A token decoded (the decode kernel: one row over its context) gets the bits the prefill
+    kernel gives the same position of a prompt, so a block of generated tokens (a multi-turn
+    prompt's earlier answer) pulled from the node that decoded it equals the same tokens
+    prefilled elsewhere. Positions at every tile and 1,024-key chunk edge, alone and in a batch
+    large enough for whole-sequence work items; groups of 1 to 5 query heads, blocks of 8-32."""
+    n = 1100
+    q, cache, meta = random_pass([(n, n)], seed=28, heads=heads, kv_heads=kv_heads, head_dim=HD, layers=1,
+                                 block=block)
+    table = meta.seqs[0].block_table
+    whole = torch.empty_like(q)
+    assert cpu_kernel.paged_prefill(q, cache.blocks, 0, table, n, whole, 0.125)
+    positions = [0, 1, 7, 15, 16, 30, 31, 32, 33, 63, 64, 100, 511, 1022, 1023, 1024, 1025, 1055, 1056, 1099]
+    batch = decode_rows(q, cache, table, positions * 2)[:len(positions)]
+    for i, p in enumerate(positions):
+        alone = decode_rows(q, cache, table, [p])[0]
+        assert torch.equal(alone, whole[p]), f"position {p} alone: max diff {(alone - whole[p]).abs().max()}"
+        assert torch.equal(batch[i], whole[p]), f"position {p} in a batch of {2 * len(positions)}"
