@@ -73,6 +73,8 @@ class FallbackOp:
     @property
     def key(self) -> str:
         heads = f"{self.heads}x{self.kv_heads}x{self.head_dim}"
+        if self.name == ATTN_DECODE:  # "-tiles": the decode kernel in the prefill's order (a choice before it timed another)
+            return f"{self.name}-{heads}-bs{self.block_size}-tiles"
         if self.name != LAYER_OPS:
             return f"{self.name}-{heads}-bs{self.block_size}"
         return f"{self.name}-{self.hidden}-{heads}-{self.intermediate}{'-silu' if self.silu else ''}"
