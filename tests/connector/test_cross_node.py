@@ -71,6 +71,26 @@ def test_b_pulls_a_prefix_from_a_and_matches_local_compute(nodes: dict[str, Engi
     assert out_ids(got) == out_ids(want)
 
 
+def test_a_follow_up_pulls_the_decoded_answer_and_matches_local_compute(nodes: dict[str, EngineProcess]) -> None:
+    """Multi-turn through the pool: A answers a prompt (the answer's blocks computed by decode
+    steps, saved as they fill); B's follow-up (the prompt, A's answer, a new question) pulls
+    them from A, and its logprobs equal C's, which prefills the whole follow-up itself, to the
+    bit (the decode kernel computes a row as the prefill kernel does)."""
+    a, b, c = nodes["A"], nodes["B"], nodes["C"]
+    prompt = tokens(7, 100)
+    published, copies = a.stats().get("pool_published", 0), b.stats()["lookup_view_copies"]
+    answer = out_ids(a.complete(prompt, 60, ignore_eos=True))
+    full = (len(prompt) + len(answer) - 1) // BS  # the answer's last token has no K/V yet
+    wait_published(a, published + full)
+    wait_for(lambda: b.stats()["lookup_view_copies"] >= copies + full, timeout_s=20, interval_s=0.05)
+    follow_up = prompt + answer + tokens(8, 20)
+    got = b.complete(follow_up, 8, logprobs=1)
+    want = c.complete(follow_up, 8, logprobs=1)
+    assert got["usage"]["prompt_tokens_details"]["remote_cached_tokens"] == full * BS > len(prompt)
+    assert out_ids(got) == out_ids(want)
+    assert got["choices"][0]["logprobs"]["token_logprobs"] == want["choices"][0]["logprobs"]["token_logprobs"]
+
+
 def test_cache_salt_isolates_tenants_locally_and_across_nodes(nodes: dict[str, EngineProcess]) -> None:
     """A tenant's blocks (vLLM's per-request `cache_salt`) are matched only by requests with
     the same salt: on the node that computed them and on every node that reads the pool."""
