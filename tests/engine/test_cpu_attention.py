@@ -144,8 +144,8 @@ def test_float32_decode_takes_the_kernel(decode_path: str, monkeypatch) -> None:
 
 def test_the_models_shapes() -> None:
     """SmolLM2-135M's decode shape (9 query heads on 3 KV heads, head_dim 64, 16-token blocks),
-    which the kernel runs in its own AVX-512 path where it can: every block edge, one key, long,
-    and past its 1,024-key chunks (one key over, several chunks), whose softmaxes fold together."""
+    which the kernel runs in its tiled path (AVX-512 or AVX2) where it can: every block edge, one
+    key, long, and past its 1,024-key chunks (one key over, several chunks)."""
     contexts = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 700, 1023, 1024, 1025, 1040, 2100, 3077]
     q, cache, meta = random_pass([(1, c) for c in contexts] + [(5, 40)], seed=12, heads=9, kv_heads=3,
                                  head_dim=64, block=16)
@@ -153,11 +153,12 @@ def test_the_models_shapes() -> None:
 
 
 def test_a_decode_rows_bits_do_not_depend_on_its_batch(decode_path: str) -> None:
-    """The kernel gives a sequence the same bits in a batch of many (where the AVX2 kernel takes
+    """The kernel gives a sequence the same bits in a batch of many (where the kernel takes
     whole sequences per work item) as alone (one KV head per item): the pool's equality rests on
     it (a prefix hit's suffix decodes in another batch than the source's). The batched SDPA
     groups pad to a group's longest member: there, equal to float32 rounding."""
-    contexts = [1, 15, 16, 17, 100, 257, 700, 1023, 1025, 2100] * 3
+    contexts = [1, 15, 16, 17, 100, 257, 700, 1023, 1025, 2100]
+    contexts *= max(3, -(-8 * torch.get_num_threads() // len(contexts)))  # paged_decode.c: >= 8 per thread
     q, cache, meta = random_pass([(1, c) for c in contexts], seed=13, heads=9, kv_heads=3, head_dim=64, block=16,
                                  layers=1)
     batch = cpu_backend.paged_attention(q, cache, 0, meta, 0.125)

@@ -135,17 +135,21 @@ def test_a_decoded_rows_bits_are_the_prefill_rows(heads: int, kv_heads: int, blo
     """A token decoded (the decode kernel: one row over its context) gets the bits the prefill
     kernel gives the same position of a prompt, so a block of generated tokens (a multi-turn
     prompt's earlier answer) pulled from the node that decoded it equals the same tokens
-    prefilled elsewhere. Positions at every tile and 1,024-key chunk edge, alone and in a batch
-    large enough for whole-sequence work items; groups of 1 to 5 query heads, blocks of 8-32."""
+    prefilled elsewhere. Positions at every tile edge and chunk edge (1,024 keys for one KV head
+    an item, 512 or 320 for 2 or 3: paged_decode.c's CHUNK_TILES / nh), alone and in a batch
+    large enough for whole-sequence work items at this thread count; groups of 1 to 5 query
+    heads, blocks of 8-32."""
     n = 1100
     q, cache, meta = random_pass([(n, n)], seed=28, heads=heads, kv_heads=kv_heads, head_dim=HD, layers=1,
                                  block=block)
     table = meta.seqs[0].block_table
     whole = torch.empty_like(q)
     assert cpu_kernel.paged_prefill(q, cache.blocks, 0, table, n, whole, 0.125)
-    positions = [0, 1, 7, 15, 16, 30, 31, 32, 33, 63, 64, 100, 511, 1022, 1023, 1024, 1025, 1055, 1056, 1099]
-    batch = decode_rows(q, cache, table, positions * 2)[:len(positions)]
+    positions = [0, 1, 7, 15, 16, 30, 31, 32, 33, 63, 64, 100, 319, 320, 321, 511, 512, 513, 639, 640, 960,
+                 1022, 1023, 1024, 1025, 1055, 1056, 1099]
+    copies = max(2, -(-8 * torch.get_num_threads() // len(positions)))  # paged_decode.c: >= 8 per thread
+    batch = decode_rows(q, cache, table, positions * copies)[:len(positions)]
     for i, p in enumerate(positions):
         alone = decode_rows(q, cache, table, [p])[0]
         assert torch.equal(alone, whole[p]), f"position {p} alone: max diff {(alone - whole[p]).abs().max()}"
-        assert torch.equal(batch[i], whole[p]), f"position {p} in a batch of {2 * len(positions)}"
+        assert torch.equal(batch[i], whole[p]), f"position {p} in a batch of {copies * len(positions)}"

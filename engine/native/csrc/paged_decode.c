@@ -11,8 +11,8 @@
  * threads (torch's own runtime: the library is loaded into a process that already holds
  * torch's libgomp).
  *
- * Two implementations of one item. `attend_tiles` (AVX-512, or AVX2 with FMA; head_dim 64, any
- * group and block size) computes each query head as paged_prefill.c computes a prompt row at
+ * Two implementations of one item. `attend_tiles` (AVX-512, or AVX2 with FMA; head_dim 64,
+ * groups of up to 16 query heads, any block size) computes each query head as paged_prefill.c computes a prompt row at
  * the same position: the same 32-key tiles, products, running max and sums and weighted-V
  * order, so a token decoded here gets the bits of the same token prefilled (a multi-turn
  * prompt's earlier answer, cached or pulled from the node that decoded it, is the answer
@@ -102,12 +102,14 @@ static inline __attribute__((always_inline)) void attend_one(
 
 #define HD 64            /* the head size the tiled kernel takes (paged_prefill.c's) */
 #define KT 32            /* keys per tile: paged_prefill.c's */
-#define CHUNK_TILES 32   /* tiles scored before their softmax and V pass: 1,024 keys */
+#define CHUNK_TILES 32   /* tiles of one KV head scored before their softmax and V pass: 1,024 keys */
 #define MAX_ROWS 16      /* query heads an item takes: its KV heads' groups together */
 #define SLICE 4          /* query heads scored (and weighted) together against a tile */
 
-/* The rows of tile k0's n (1..32) keys (K; V lies v_offset further; the KV heads side by side);
- * rows past n are never read (the first row stands in). One division a tile. */
+/* The rows of tile k0's n (1..32) keys (K; V lies v_offset further; the KV heads side by side).
+ * The slots past n point at the first key's row: the scores load every slot (and mask those past
+ * n), so each must be a row of the context; keys past the context are never read. One division
+ * a tile. */
 static inline void tile_rows(const float *kbase, const int64_t *table, int64_t block_stride, int64_t token_stride,
                              int64_t block_size, int64_t k0, int n, const float **row) {
     int64_t b = k0 / block_size, t = k0 % block_size;
@@ -392,8 +394,8 @@ static inline void store_out(const float *acc, const float *lv, float *dst) {
  * group query heads each (qs / o: the item's first query head's row; nh * group <= MAX_ROWS).
  * Each query head's arithmetic is paged_prefill.c's for a prompt row at the same position
  * (its 32-key tiles, products, running max and sums, weighted V order, final division), so a
- * token decoded here has the K/V of the same token prefilled, to the bit. Two passes a chunk of
- * CHUNK_TILES tiles: every score first (keys transposed in registers into the prefill's tile
+ * token decoded here gets the attention output of the same token prefilled, to the bit (and so
+ * the same K/V in the layers after). Two passes a chunk of CHUNK_TILES / nh tiles: every score first (keys transposed in registers into the prefill's tile
  * layout), then the tiles' softmax in order, then the weighted V; the heads take each tile in
  * turn, so a block's rows (all KV heads side by side) are read whole. */
 static void attend_tiles(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
@@ -494,6 +496,7 @@ void paged_decode_f32(const float *base, int64_t block_stride, int64_t layer_off
         const int64_t *table = tables + table_starts[s];
         const float *qs = q + rows[s] * q_stride + h * group * head_dim;
         float *o = out + rows[s] * heads * head_dim + h * group * head_dim;
+        /* head_dim 64 reaches here only in the portable build (or with groups over MAX_ROWS) */
         if (group == 3 && head_dim == 64 && block_size == 16)  /* SmolLM2-135M, the default block */
             ATTEND(3, 64, 16);
         else if (head_dim == 64)
