@@ -12,9 +12,7 @@ per second, and the largest difference between the two kernels' outputs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -23,18 +21,9 @@ import torch
 
 from engine.attention import cpu_kernel
 from engine.native import build
+from kernel_build_ab import old_build  # scripts/, beside this one: builds a revision's kernels
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
-
-
-def old_kernel(rev: str, where: Path):  # noqa: ANN201
-    for name in ("paged_decode.c", "simd.h"):
-        text = subprocess.run(["git", "show", f"{rev}:engine/native/csrc/{name}"], capture_output=True, check=True)
-        (where / name).write_bytes(text.stdout)
-    src, obj, lib = where / "paged_decode.c", where / "paged_decode.o", where / "paged_decode.so"
-    subprocess.run(["cc", *build.compile_flags(), "-c", str(src), "-o", str(obj)], check=True)
-    subprocess.run(["cc", str(obj), *build.LINK_FLAGS, "-o", str(lib)], check=True)
-    return cpu_kernel._bind(ctypes.CDLL(str(lib)))
 
 
 def main() -> None:
@@ -45,7 +34,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = {"old": old_kernel(args.rev, Path(tempfile.mkdtemp())), "new": cpu_kernel._kernel.get()}
+    old = old_build(args.rev, " ".join(build.compile_flags()), Path(tempfile.mkdtemp()))
+    kernels = {"old": old["dec"], "new": cpu_kernel._kernel.get()}
     gen = torch.Generator().manual_seed(0)
     cases = {"1 x 512": [512], "1 x 2000": [2000], "8 x 1024": [1024] * 8, "64 x 300": [300] * 64,
              "64 x 112-1599": torch.randint(112, 1600, (64,), generator=gen).tolist()}

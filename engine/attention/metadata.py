@@ -188,19 +188,15 @@ class AttentionMetadata:
         width = max(len(s.block_table) for s in self.seqs)
         # one row per block table: a request's spans (its prompt rows, each row past the prompt)
         # share one tensor, copied to the host once
-        row_of: dict[int, int] = {}
-        for s in self.seqs:
-            row_of.setdefault(id(s.block_table), len(row_of))
-        tables = torch.zeros(len(row_of), width, dtype=torch.int32)
+        distinct = {id(s.block_table): s.block_table for s in self.seqs}
+        row_of = {key: i for i, key in enumerate(distinct)}
+        tables = torch.zeros(len(distinct), width, dtype=torch.int32)
+        for i, table in enumerate(distinct.values()):
+            tables[i, :len(table)] = table.to(torch.int32).cpu()
         seq_of: list[int] = []
         pos_of: list[int] = []
-        filled: set[int] = set()
         for s in self.seqs:
-            i = row_of[id(s.block_table)]
-            if i not in filled:
-                tables[i, :len(s.block_table)] = s.block_table.to(torch.int32).cpu()
-                filled.add(i)
-            seq_of += [i] * s.num_query
+            seq_of += [row_of[id(s.block_table)]] * s.num_query
             pos_of += range(s.context_len - s.num_query, s.context_len)
         return (tables.to(device), torch.tensor(seq_of, dtype=torch.int32, device=device),
                 torch.tensor(pos_of, dtype=torch.int32, device=device))

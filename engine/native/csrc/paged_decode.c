@@ -12,9 +12,9 @@
  * torch's libgomp).
  *
  * Two implementations of one item. `attend_tiles` (AVX-512, or AVX2 with FMA; head_dim 64,
- * groups of up to 16 query heads, any block size) computes each query head as paged_prefill.c computes a prompt row at
- * the same position: the same 32-key tiles, products, running max and sums and weighted-V
- * order, so a token decoded here gets the bits of the same token prefilled (a multi-turn
+ * groups of up to 16 query heads, any block size) computes each query head as paged_prefill.c
+ * computes a prompt row at the same position: the same 32-key tiles, products, running max and
+ * sums and weighted-V order, so a token decoded here gets the bits of the same token prefilled (a multi-turn
  * prompt's earlier answer, cached or pulled from the node that decoded it, is the answer
  * prefilled; tests/engine/test_prefill_kernel.py). The portable `attend_one` (auto-vectorised
  * C) takes everything else, close to the prefill path's SDPA, not equal to it.
@@ -205,11 +205,8 @@ static inline __attribute__((always_inline)) void softmax_tile(float *sc, int64_
     for (int r = 0; r < nr; r++) {
         mx[r] = nmx[r];
         const __m512 nmv = _mm512_set1_ps(nmx[r]);
-        __m512 s0 = _mm512_load_ps(sc + r * stride), s1 = _mm512_load_ps(sc + r * stride + 16);
-        if (n < KT) {
-            s0 = _mm512_mask_mov_ps(lo, m0, s0);
-            s1 = _mm512_mask_mov_ps(lo, m1, s1);
-        }
+        /* lanes past n: zeroed after the exp (the prefill's masked lanes are too) */
+        const __m512 s0 = _mm512_load_ps(sc + r * stride), s1 = _mm512_load_ps(sc + r * stride + 16);
         const __m512 e0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(s0, nmv)));
         const __m512 e1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(s1, nmv)));
         _mm512_store_ps(lv[r], _mm512_fmadd_ps(_mm512_load_ps(lv[r]), _mm512_set1_ps(alpha[r]), _mm512_add_ps(e0, e1)));
@@ -395,9 +392,10 @@ static inline void store_out(const float *acc, const float *lv, float *dst) {
  * Each query head's arithmetic is paged_prefill.c's for a prompt row at the same position
  * (its 32-key tiles, products, running max and sums, weighted V order, final division), so a
  * token decoded here gets the attention output of the same token prefilled, to the bit (and so
- * the same K/V in the layers after). Two passes a chunk of CHUNK_TILES / nh tiles: every score first (keys transposed in registers into the prefill's tile
- * layout), then the tiles' softmax in order, then the weighted V; the heads take each tile in
- * turn, so a block's rows (all KV heads side by side) are read whole. */
+ * the same K/V in the layers after). Two passes a chunk of CHUNK_TILES / nh tiles: every score
+ * first (keys transposed in registers into the prefill's tile layout), then the tiles' softmax
+ * in order, then the weighted V; the heads take each tile in turn, so a block's rows (all KV
+ * heads side by side) are read whole. */
 static void attend_tiles(const float *kbase, int64_t v_offset, int64_t block_stride, int64_t token_stride,
                          int64_t block_size, const int64_t *table, int64_t ctx, const float *qs, float *o,
                          float scale, int group, int nh) {
